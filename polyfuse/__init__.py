@@ -1,0 +1,1 @@
+"""polyfuse: one Llama code base, fused ops chosen per device by a registry."""

@@ -1,0 +1,1 @@
+"""NVIDIA backend: Triton kernels, SDPA/flash attention and CUDA graphs (registered for device ``cuda``)."""

@@ -1,0 +1,1 @@
+"""Intel Gaudi backend: Habana fused kernels and HPU graphs (registered for device ``hpu``)."""

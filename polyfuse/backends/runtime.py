@@ -1,0 +1,58 @@
+"""Per-device runtime services the generation loop and trainer need besides ops: sync, memory, step boundaries, graphs.
+
+``get_runtime(device)`` returns the runtime for a device type. The CPU runtime is the do-nothing default; the CUDA
+and HPU backends subclass it in their own folders.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+
+class DeviceRuntime:
+    device_type = "cpu"
+    # Which graph flag this device honours ("--use_cuda_graphs" / "--use_hpu_graphs"), None if neither.
+    graph_flag: Optional[str] = None
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def mark_step(self) -> None:
+        """Step boundary for lazy-mode devices (HPU). A no-op everywhere else."""
+
+    def layer_hook(self) -> Optional[Callable[[], None]]:
+        """Called by the model between decoder layers during inference, or None (no call at all)."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def memory_stats(self) -> dict:
+        """GB, keyed like optimum-habana's get_hpu_memory_stats()."""
+        try:
+            import resource
+
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
+        except Exception:  # pragma: no cover - non-POSIX
+            rss = 0.0
+        return {"memory_allocated (GB)": None, "max_memory_allocated (GB)": round(rss, 2)}
+
+
+_RUNTIMES: dict[str, type] = {"cpu": DeviceRuntime}
+
+
+def register_runtime(device_type: str, cls: type) -> None:
+    _RUNTIMES[device_type] = cls
+
+
+def get_runtime(device) -> DeviceRuntime:
+    from polyfuse.backends import registry
+
+    registry._load_backends()
+    device = torch.device(device)
+    return _RUNTIMES.get(device.type, DeviceRuntime)(device)

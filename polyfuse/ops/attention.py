@@ -1,0 +1,64 @@
+"""Attention with grouped-query heads over a (possibly preallocated) key/value sequence.
+
+q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] with Hq % Hkv == 0; returns [B, Hq, Lq, D].
+``AttentionMeta`` is built once per forward by the model and shared by every layer:
+  * ``mask``: additive float mask [B, 1, Lq, Lk] (0 keeps, dtype-min drops), or None when ``is_causal`` says all;
+  * ``is_causal``: q and k are the same positions with no padding, so a causal mask is all that is needed;
+  * ``valid_lengths``: int32 [B] real tokens per row (left padding), for kernels that take lengths, not masks;
+  * ``decode``: Lq == 1 against a KV cache.
+The native reference is eager attention (matmul, fp32 softmax, matmul), the same math as transformers' eager path.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from polyfuse.backends.registry import OpSpec, declare
+
+
+@dataclass
+class AttentionMeta:
+    scale: float
+    mask: Optional[torch.Tensor] = None
+    is_causal: bool = False
+    valid_lengths: Optional[torch.Tensor] = None
+    decode: bool = False
+    padding_side: str = "left"
+
+
+def causal_mask(q_len: int, k_len: int, device, dtype) -> torch.Tensor:
+    """Additive [1, 1, q_len, k_len] mask for q positions aligned to the last q_len keys."""
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(k_pos > q_pos, torch.finfo(dtype).min)[None, None]
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    scores = torch.matmul(q, k.transpose(2, 3)) * meta.scale
+    mask = meta.mask
+    if mask is None and meta.is_causal and q.shape[2] > 1:
+        mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype)
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+SPEC = declare(
+    OpSpec(
+        "attention",
+        "attention(q[B,Hq,Lq,D], k[B,Hkv,Lk,D], v[B,Hkv,Lk,D], meta: AttentionMeta) -> out[B,Hq,Lq,D]",
+        attention_native,
+        enable_flag="use_flash_attention",
+    )
+)

@@ -1,0 +1,14 @@
+"""RMSNorm: ``y = weight * (x / sqrt(mean(x^2) + eps))``, statistics in fp32, result in x's dtype (HF Llama's rounding)."""
+
+import torch
+
+from polyfuse.backends.registry import OpSpec, declare
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+SPEC = declare(OpSpec("rms_norm", "rms_norm(x[..., H], weight[H], eps) -> y[..., H]", rms_norm_native))
