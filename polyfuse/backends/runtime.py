@@ -29,6 +29,11 @@ class DeviceRuntime:
         """Called by the model between decoder layers during inference, or None (no call at all)."""
         return None
 
+    def graph_module(self, module: torch.nn.Module, phase: str, flags: dict):
+        """Return a callable that runs ``module`` (a whole prefill or decode step) through the device's graphs when
+        the run's flags ask for them (``phase`` is "prefill" or "decode"); the base runtime runs it as is."""
+        return module
+
     def reset_peak_memory(self) -> None:
         pass
 

@@ -5,7 +5,10 @@ q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] with Hq % Hkv == 0; returns [B, Hq, Lq, D
   * ``mask``: additive float mask [B, 1, Lq, Lk] (0 keeps, dtype-min drops), or None when ``is_causal`` says all;
   * ``is_causal``: q and k are the same positions with no padding, so a causal mask is all that is needed;
   * ``valid_lengths``: int32 [B] real tokens per row (left padding), for kernels that take lengths, not masks;
-  * ``decode``: Lq == 1 against a KV cache.
+  * ``decode``: Lq == 1 against a KV cache;
+  * run options copied from the flags once at build time: ``causal_prefill`` (--flash_attention_causal_mask: use the
+    causal flag plus ``valid_lengths`` instead of the mask on prefill), ``recompute`` (--flash_attention_recompute),
+    ``fast_softmax`` (--flash_attention_fast_softmax), ``softmax_bf16`` (--attn_softmax_bf16, eager paths).
 The native reference is eager attention (matmul, fp32 softmax, matmul), the same math as transformers' eager path.
 """
 
@@ -25,6 +28,10 @@ class AttentionMeta:
     valid_lengths: Optional[torch.Tensor] = None
     decode: bool = False
     padding_side: str = "left"
+    causal_prefill: bool = False
+    recompute: bool = False
+    fast_softmax: bool = False
+    softmax_bf16: bool = False
 
 
 def causal_mask(q_len: int, k_len: int, device, dtype) -> torch.Tensor:
