@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Fine-tune a Llama (the built-in SmolLM2-135M-Instruct by default) on a plain-text file with polyfuse's fused ops.
+
+    python examples/run_clm.py --output_dir out --max_steps 20 --per_device_train_batch_size 2 --block_size 128
+    python examples/run_clm.py --model_name_or_path ./my-llama --use_flash_attention --bf16 ...
+    python examples/run_clm.py --config_overrides hidden_size=64,num_hidden_layers=2 ...   # random weights
+
+All of transformers' TrainingArguments work, plus polyfuse's: --use_flash_attention, --flash_attention_recompute,
+--flash_attention_causal_mask, --use_fused_rms_norm/--use_fused_rope/--use_fused_swiglu/--use_fused_linear_cross_entropy
+(default on; pass False to turn off), --polyfuse_ops, --use_habana, --use_lazy_mode, --gaudi_config_name.
+The saved folder loads with transformers.AutoModelForCausalLM.from_pretrained.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import HfArgumentParser, default_data_collator  # noqa: E402
+
+from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments  # noqa: E402
+
+
+PROG = "run_clm.py"
+DEFAULT_DATA = str(Path(__file__).resolve().parent / "data" / "tiny_corpus.txt")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ScriptArguments:
+    model_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Local model folder (default: the built-in SmolLM2-135M-Instruct GGUF)."}
+    )
+    gguf_file: Optional[str] = field(default=None, metadata={"help": "GGUF file name inside the model folder."})
+    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
+    train_file: str = field(default=DEFAULT_DATA, metadata={"help": "Plain-text training file."})
+    block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+    config_overrides: Optional[str] = field(
+        default=None,
+        metadata={"help": "Train from random weights with the model's config changed, e.g. 'hidden_size=64,...'."},
+    )
+    torch_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32, bfloat16 or float16."})
+    model_impl: str = field(
+        default="transformers",
+        metadata={"help": "'transformers' (patched in place with polyfuse.patch) or 'polyfuse' (polyfuse's Llama)."},
+    )
+
+
+def _fail(msg: str) -> None:
+    print(f"{PROG}: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv=None):
+    parser = HfArgumentParser((ScriptArguments, PolyfuseTrainingArguments), prog=PROG)
+    parser.error = _fail  # one line, exit code 2 (argparse prints the usage too)
+    try:
+        script, targs = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    if script.torch_dtype not in DTYPES:
+        _fail(f"--torch_dtype must be one of {', '.join(DTYPES)}, got {script.torch_dtype!r}")
+    if script.model_impl not in ("transformers", "polyfuse"):
+        _fail(f"--model_impl must be 'transformers' or 'polyfuse', got {script.model_impl!r}")
+    if script.block_size < 2:
+        _fail("--block_size must be at least 2")
+    if not os.path.isfile(script.train_file):
+        _fail(f"--train_file {script.train_file!r} does not exist")
+    if script.model_name_or_path is not None and not os.path.isdir(script.model_name_or_path):
+        _fail(f"--model_name_or_path {script.model_name_or_path!r} is not a local folder (no hub downloads)")
+    return script, targs
+
+
+def _parse_overrides(text: str) -> dict:
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            _fail(f"--config_overrides entry {item!r} is not key=value")
+        k, v = (s.strip() for s in item.split("=", 1))
+        for conv in (int, float):
+            try:
+                v = conv(v)
+                break
+            except ValueError:
+                continue
+        else:
+            v = {"true": True, "false": False}.get(v.lower(), v)
+        out[k] = v
+    return out
+
+
+def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArguments):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, gguf = script.model_name_or_path, script.gguf_file
+    if path is None:
+        from polyfuse.models.builtin import builtin_model
+
+        try:
+            path, gguf = builtin_model()
+        except FileNotFoundError as e:
+            _fail(str(e))
+    kw = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name or path, **({} if script.tokenizer_name else kw))
+    dtype = DTYPES[script.torch_dtype]
+    if script.config_overrides:
+        config = AutoConfig.from_pretrained(path, **kw)
+        for k, v in _parse_overrides(script.config_overrides).items():
+            if not hasattr(config, k):
+                _fail(f"--config_overrides: {type(config).__name__} has no field {k!r}")
+            setattr(config, k, v)
+        if script.model_impl == "polyfuse":
+            from polyfuse.models.llama import LlamaForCausalLM
+
+            return LlamaForCausalLM.from_config(
+                config, dtype=dtype, device=targs.device, flags=targs.polyfuse_flags(),
+                overrides=targs.polyfuse_overrides(), training=True,
+            ), tokenizer  # fmt: skip
+        return AutoModelForCausalLM.from_config(config, dtype=dtype), tokenizer
+    if script.model_impl == "polyfuse":
+        from polyfuse.models.llama import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(
+            path, gguf_file=gguf, dtype=dtype, device=targs.device, flags=targs.polyfuse_flags(),
+            overrides=targs.polyfuse_overrides(), training=True,
+        )  # fmt: skip
+        return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw), tokenizer
+
+
+def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
+    text = Path(train_file).read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(ids) // block_size
+    if n == 0:
+        _fail(f"{train_file} has {len(ids)} tokens, fewer than one --block_size ({block_size}) block")
+    blocks = [ids[i * block_size : (i + 1) * block_size] for i in range(n)]
+    return [{"input_ids": b, "attention_mask": [1] * block_size, "labels": list(b)} for b in blocks]
+
+
+def main(argv=None) -> int:
+    script, targs = parse_args(argv)
+    model, tokenizer = load_model_and_tokenizer(script, targs)
+    train_dataset = build_dataset(tokenizer, script.train_file, script.block_size)
+    trainer = PolyfuseTrainer(
+        model=model, args=targs, train_dataset=train_dataset, data_collator=default_data_collator
+    )
+    result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    trainer.save_model(targs.output_dir)
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(targs.output_dir)
+        metrics = result.metrics
+        trainer.log_metrics("train", metrics)
+        trainer.save_metrics("train", metrics)
+        trainer.save_state()
+        print(f"saved to {targs.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Registrations of the HPU implementations and runtime. Imported by ``polyfuse.backends.hpu``.
+
+Importing this module never imports ``habana_frameworks``: the probes do, lazily and cached, when the registry
+resolves a model build on device ``hpu``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import polyfuse.ops  # noqa: F401  (declares the ops before we register against them)
+from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu.attention import fused_sdpa
+from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
+from polyfuse.backends.hpu.rotary import fused_rope
+from polyfuse.backends.hpu.runtime import HpuRuntime
+from polyfuse.backends.registry import Implementation, SelectionContext, register
+from polyfuse.backends.runtime import register_runtime
+
+
+BACKEND = "hpu"
+DEVICES = ("hpu",)
+PRIORITY = 100
+
+
+def _probe(module: str, name: str):
+    def probe(ctx: SelectionContext) -> Optional[str]:
+        return _habana.missing_reason(module, name)
+
+    probe.__name__ = f"probe_{name}"
+    return probe
+
+
+IMPLEMENTATIONS = [
+    Implementation(
+        "attention",
+        "fused_sdpa",
+        BACKEND,
+        DEVICES,
+        fused_sdpa,
+        priority=PRIORITY,
+        probe=_probe(_habana.KERNELS, "FusedSDPA"),
+        supports_backward=True,
+    ),
+    Implementation(
+        "rms_norm",
+        "fused_rms_norm",
+        BACKEND,
+        DEVICES,
+        fused_rms_norm,
+        priority=PRIORITY,
+        probe=_probe(_habana.NORMALIZATION, "FusedRMSNorm"),
+        supports_backward=True,
+    ),
+    Implementation(
+        "add_rms_norm",
+        "fused_add_rms_norm",
+        BACKEND,
+        DEVICES,
+        fused_add_rms_norm,
+        priority=PRIORITY,
+        probe=_probe(_habana.NORMALIZATION, "FusedRMSNorm"),
+        supports_backward=True,
+    ),
+    Implementation(
+        "rotary",
+        "fused_rope",
+        BACKEND,
+        DEVICES,
+        fused_rope,
+        priority=PRIORITY,
+        probe=_probe(_habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
+        supports_backward=True,
+    ),
+]
+
+for _impl in IMPLEMENTATIONS:
+    register(_impl)
+
+register_runtime("hpu", HpuRuntime)

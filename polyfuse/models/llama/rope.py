@@ -1,0 +1,58 @@
+"""Rotary frequencies for every rope type transformers knows (default, linear, dynamic, llama3, yarn, ...).
+
+The inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so scaling matches HF exactly;
+cos/sin are computed per forward in fp32 from the positions, once for all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def _default_inv_freq(config, device=None):
+    base = config.rope_parameters["rope_theta"]
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    partial = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    dim = int(dim * partial)
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    return inv, 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.rope_type = config.rope_parameters.get("rope_type", "default")
+        if self.rope_type != "default" and self.rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope type {self.rope_type!r} is not supported (known: {sorted(ROPE_INIT_FUNCTIONS)})")
+        self.original_max = config.max_position_embeddings
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.attention_scaling = 1.0
+        self.cached_len = self.original_max
+
+    def init_frequencies(self, device, seq_len: int | None = None) -> None:
+        """(Re)compute inv_freq in fp32 on ``device``; called after the model is materialized."""
+        if self.rope_type == "default":
+            inv, scale = _default_inv_freq(self.config, device)
+        elif self.rope_type == "dynamic" and seq_len is not None:
+            inv, scale = ROPE_INIT_FUNCTIONS["dynamic"](self.config, device, seq_len=seq_len)
+        else:
+            inv, scale = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
+        self.inv_freq = inv.to(device=device, dtype=torch.float32)
+        self.attention_scaling = scale
+
+    def update_length(self, seq_len: int) -> None:
+        """Dynamic NTK scaling grows the base past the trained length, as transformers does per forward."""
+        if self.rope_type != "dynamic":
+            return
+        if seq_len > self.cached_len or (seq_len <= self.original_max < self.cached_len):
+            self.init_frequencies(self.inv_freq.device, seq_len=max(seq_len, self.original_max))
+            self.cached_len = max(seq_len, self.original_max)
+
+    def forward(self, position_ids: torch.Tensor):
+        """position_ids [B, L] -> cos, sin [B, L, D] in fp32."""
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling

@@ -1,0 +1,94 @@
+"""Checkpoint readers: iterate (HF weight name, tensor) pairs from a safetensors folder (sharded or not) or a GGUF
+file, one tensor at a time, so a model never needs a second full copy of its weights in RAM."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from polyfuse.models.llama.config import CheckpointError
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights found")
+    for name in files:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"{file}: corrupt safetensors file ({e})") from None
+
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    parts = name.split(".")
+    suffix = parts[-1]
+    if parts[0] == "blk":
+        mapped = _GGUF_NAMES.get(parts[2])
+        return f"model.layers.{parts[1]}.{mapped}.{suffix}" if mapped else None
+    mapped = _GGUF_NAMES.get(parts[0])
+    return f"{mapped}.{suffix}" if mapped else None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; undo it to get HF's rotate-half layout.
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def open_gguf(file: str):
+    import gguf
+
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(file)
+    except Exception as e:
+        raise CheckpointError(f"{file}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def iter_gguf(reader, config) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        name = gguf_name_to_hf(t.name)
+        if name is None:
+            continue
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config.num_key_value_heads)
+        yield name, w

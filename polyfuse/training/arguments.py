@@ -1,0 +1,104 @@
+"""``PolyfuseTrainingArguments``: transformers' TrainingArguments plus the fused-op and Gaudi flags, with
+optimum-habana's names and meanings (``use_habana``, ``use_lazy_mode``, ``gaudi_config_name``,
+``use_flash_attention``, ``flash_attention_recompute``, ``flash_attention_causal_mask``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import TrainingArguments
+
+
+# use_fused_* flag -> the registry ops it controls (off -> "-op", i.e. the native reference).
+FUSED_FLAG_OPS = {
+    "use_fused_rms_norm": ("rms_norm", "add_rms_norm"),
+    "use_fused_rope": ("rotary",),
+    "use_fused_swiglu": ("swiglu",),
+    "use_fused_linear_cross_entropy": ("linear_cross_entropy",),
+}
+
+
+def hpu_available() -> bool:
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return False
+    try:
+        import habana_frameworks.torch.hpu as hthpu  # noqa: F401
+
+        return bool(hthpu.is_available())
+    except Exception:
+        return False
+
+
+@dataclass
+class PolyfuseTrainingArguments(TrainingArguments):
+    use_flash_attention: bool = field(
+        default=False,
+        metadata={"help": "Fused/flash attention (Habana FusedSDPA on Gaudi, Triton/SDPA flash kernels on CUDA)."},
+    )
+    flash_attention_recompute: bool = field(
+        default=False,
+        metadata={"help": "Recompute attention in the backward instead of keeping it (less memory). Needs flash."},
+    )
+    flash_attention_causal_mask: bool = field(
+        default=False,
+        metadata={"help": "Use the kernel's causal flag instead of a mask tensor. Needs --use_flash_attention."},
+    )
+    use_fused_rms_norm: bool = field(default=True, metadata={"help": "Fused RMSNorm (and residual add + RMSNorm)."})
+    use_fused_rope: bool = field(default=True, metadata={"help": "Fused rotary position embedding."})
+    use_fused_swiglu: bool = field(default=True, metadata={"help": "Fused SwiGLU activation."})
+    use_fused_linear_cross_entropy: bool = field(
+        default=True, metadata={"help": "LM head fused with cross-entropy: logits are never materialized."}
+    )
+    polyfuse_ops: str = field(
+        default="",
+        metadata={"help": "Op overrides, e.g. '+attention,-rotary,rms_norm=native' (applied after use_fused_*)."},
+    )
+    use_habana: bool = field(default=False, metadata={"help": "Train on an Intel Gaudi (HPU)."})
+    use_lazy_mode: Optional[bool] = field(
+        default=None,
+        metadata={"help": "HPU lazy mode (mark_step at step boundaries). Default: on with --use_habana."},
+    )
+    gaudi_config_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "gaudi_config.json (use_fused_adam, use_fused_clip_norm, use_torch_autocast). HPU only."},
+    )
+
+    def __post_init__(self):
+        self._validate_polyfuse()
+        super().__post_init__()
+
+    def _validate_polyfuse(self) -> None:
+        from polyfuse.backends import registry
+
+        if self.use_lazy_mode and not self.use_habana:
+            raise ValueError("--use_lazy_mode can only be used with --use_habana (it is an HPU lazy-mode setting)")
+        if self.gaudi_config_name and not self.use_habana:
+            raise ValueError("--gaudi_config_name can only be used with --use_habana (it configures Gaudi training)")
+        if self.use_habana and not hpu_available():
+            raise ValueError("--use_habana needs an Intel Gaudi and habana_frameworks; neither HPU nor package found")
+        if (self.flash_attention_recompute or self.flash_attention_causal_mask) and not self.use_flash_attention:
+            raise ValueError("--flash_attention_recompute / --flash_attention_causal_mask need --use_flash_attention")
+        if self.use_lazy_mode is None:
+            self.use_lazy_mode = self.use_habana and os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+        registry._load_backends()
+        registry.parse_overrides(self.polyfuse_ops)  # raises ValueError on an unknown op or a bad entry
+
+    def polyfuse_flags(self) -> dict:
+        """The run flags the registry reads (same names as the generation CLI)."""
+        return {
+            "use_flash_attention": self.use_flash_attention,
+            "flash_attention_recompute": self.flash_attention_recompute,
+            "flash_attention_causal_mask": self.flash_attention_causal_mask,
+            "use_habana": self.use_habana,
+            "use_lazy_mode": bool(self.use_lazy_mode),
+        }
+
+    def polyfuse_overrides(self) -> str:
+        """``use_fused_*=False`` -> ``-op`` entries, then ``polyfuse_ops`` (later entries win)."""
+        items = [f"-{op}" for flag, ops in FUSED_FLAG_OPS.items() if not getattr(self, flag) for op in ops]
+        if self.polyfuse_ops:
+            items.append(self.polyfuse_ops)
+        return ",".join(items)

@@ -1,0 +1,219 @@
+"""``PolyfuseTrainer``: transformers' Trainer whose model runs through the op registry in training mode.
+
+* a polyfuse ``LlamaForCausalLM`` gets its kernels resolved with ``training=True``; a transformers Llama (plain or
+  PEFT-wrapped) is patched in place with ``polyfuse.patch``; anything else trains unchanged (with a warning);
+* optimizer: torch's fused AdamW on CUDA (transformers' ``adamw_torch_fused``, the default with torch >= 2.8);
+  on Gaudi, Habana's FusedAdamW / FusedClipNorm when the gaudi config asks for them (``use_fused_adam``,
+  ``use_fused_clip_norm``) and ``use_torch_autocast``/``--bf16`` as HPU autocast, like optimum-habana's GaudiTrainer;
+* HPU lazy mode: ``runtime.mark_step()`` after the backward and after the optimizer step;
+* logs ``train_tokens_per_second`` and the device's memory stats (``runtime.memory_stats()``) with each loss log;
+* prints the kernels report once when training starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from polyfuse.backends.registry import Kernels, SelectionContext, resolve
+from polyfuse.backends.runtime import get_runtime
+from polyfuse.training.arguments import PolyfuseTrainingArguments
+from polyfuse.training.gaudi_config import GaudiConfig
+
+
+logger = logging.getLogger("polyfuse")
+
+
+def _polyfuse_llama_class():
+    try:
+        from polyfuse.models.llama import LlamaForCausalLM
+    except ImportError:
+        return None
+    return LlamaForCausalLM
+
+
+def _is_hf_llama(model: nn.Module) -> bool:
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    return any(isinstance(m, LlamaModel) for m in model.modules())
+
+
+class _StepBoundary(TrainerCallback):
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.runtime.mark_step()
+
+
+class PolyfuseTrainer(Trainer):
+    def __init__(self, model: Optional[nn.Module] = None, args: Optional[PolyfuseTrainingArguments] = None, *a, **kw):
+        gaudi_config = kw.pop("gaudi_config", None)
+        if args is None:
+            args = PolyfuseTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, PolyfuseTrainingArguments):
+            raise TypeError("PolyfuseTrainer needs PolyfuseTrainingArguments (a TrainingArguments subclass)")
+        if model is None:
+            raise ValueError("PolyfuseTrainer needs a model (model_init is not supported)")
+        self.gaudi_config = None
+        if args.use_habana:
+            if gaudi_config is None and args.gaudi_config_name:
+                gaudi_config = GaudiConfig.from_pretrained(args.gaudi_config_name)
+            self.gaudi_config = gaudi_config or GaudiConfig()
+        self._hpu_autocast = bool(
+            args.use_habana and (args.bf16 or (self.gaudi_config and self.gaudi_config.use_torch_autocast))
+        )
+        if self._hpu_autocast:
+            args.bf16 = False  # like GaudiTrainer: bf16 becomes HPU autocast, not accelerate's mixed precision
+        self.runtime = get_runtime(args.device)
+        self.polyfuse_kernels: Optional[Kernels] = None
+        self._polyfuse_report = self._prepare_model(model, args)
+        self._report_printed = False
+        self._fused_clip = None
+        self._tokens_total = 0
+        self._tokens_since_log = 0
+        self._last_log_time = None
+        self._train_start_time = None
+        super().__init__(model, args, *a, **kw)
+        if args.use_habana and args.use_lazy_mode:
+            self.add_callback(_StepBoundary(self.runtime))
+
+    # ------------------------------------------------------------------------------------------ model preparation
+
+    def _prepare_model(self, model: nn.Module, args: PolyfuseTrainingArguments) -> str:
+        flags, overrides = args.polyfuse_flags(), args.polyfuse_overrides()
+        device = args.device
+        pf_cls = _polyfuse_llama_class()
+        if pf_cls is not None and isinstance(model, pf_cls):
+            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+            ctx = SelectionContext(device=device, dtype=dtype, flags=flags, training=True, overrides=overrides)
+            kernels = resolve(ctx)
+            if hasattr(model, "set_kernels"):
+                model.set_kernels(kernels)
+            else:
+                model.kernels = kernels
+            self.polyfuse_kernels = kernels
+            return kernels.report()
+        if _is_hf_llama(model):
+            from polyfuse.patch import patch
+
+            handle = patch(model, device=device, flags=flags, overrides=overrides, training=True)
+            self.polyfuse_kernels = handle.kernels
+            return handle.report()
+        logger.warning("polyfuse: %s is not a Llama model; training it without fused ops", type(model).__name__)
+        return f"polyfuse: {type(model).__name__} is not a Llama model; no fused ops"
+
+    # ------------------------------------------------------------------------------------------ training loop hooks
+
+    def train(self, *args, **kwargs):
+        if not self._report_printed and self.is_world_process_zero():
+            print(self._polyfuse_report, flush=True)
+            self._report_printed = True
+        self._train_start_time = self._last_log_time = time.perf_counter()
+        self._tokens_total = self._tokens_since_log = 0
+        self.runtime.reset_peak_memory()
+        return super().train(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if ids is None and isinstance(inputs, dict):
+            ids = inputs.get("inputs_embeds")
+            n = 0 if ids is None else ids.shape[0] * ids.shape[1]
+        else:
+            n = 0 if ids is None else ids.numel()
+        self._tokens_total += n
+        self._tokens_since_log += n
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.args.use_habana and self.args.use_lazy_mode:
+            self.runtime.mark_step()  # after the backward (GaudiTrainer does the same)
+        return loss
+
+    def autocast_smart_context_manager(self, cache_enabled: Optional[bool] = True):
+        if self._hpu_autocast:
+            return torch.autocast(device_type="hpu", dtype=torch.bfloat16, cache_enabled=cache_enabled)
+        return super().autocast_smart_context_manager(cache_enabled)
+
+    def compute_loss_context_manager(self):
+        if self._hpu_autocast:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.autocast_smart_context_manager())
+            return stack
+        return super().compute_loss_context_manager()
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None and self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_adam:
+            fused = _hpu_optim("fused_adamw")
+            model = model if model is not None else self.model
+            decay = set(self.get_decay_parameter_names(model))
+            params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
+            ]
+            opt = None
+            if fused is not None:
+                opt = fused(
+                    groups,
+                    lr=self.args.learning_rate,
+                    betas=(self.args.adam_beta1, self.args.adam_beta2),
+                    eps=self.args.adam_epsilon,
+                )
+            if opt is not None:
+                self.optimizer = opt
+                return opt
+            logger.warning(
+                "polyfuse: use_fused_adam asked for but Habana FusedAdamW is unavailable; using %s", self.args.optim
+            )
+        return super().create_optimizer(model)
+
+    def _clip_grad_norm(self, model):
+        if self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_clip_norm:
+            if self._fused_clip is None:
+                fn = _hpu_optim("fused_clip_norm")
+                self._fused_clip = (fn(model.parameters(), self.args.max_grad_norm) if fn else None) or False
+            if self._fused_clip:
+                clip = self._fused_clip
+                return clip.clip_norm(model.parameters()) if hasattr(clip, "clip_norm") else clip(model.parameters())
+        return super()._clip_grad_norm(model)
+
+    # ------------------------------------------------------------------------------------------ logging, saving
+
+    def log(self, logs: dict, start_time: Optional[float] = None) -> None:
+        now = time.perf_counter()
+        if "loss" in logs and self._last_log_time is not None:
+            dt = max(now - self._last_log_time, 1e-9)
+            logs["train_tokens_per_second"] = round(self._tokens_since_log / dt, 2)
+            self._tokens_since_log, self._last_log_time = 0, now
+            self._add_memory(logs)
+        elif "train_runtime" in logs and self._train_start_time is not None:
+            logs.setdefault(
+                "train_tokens_per_second", round(self._tokens_total / max(now - self._train_start_time, 1e-9), 2)
+            )
+            self._add_memory(logs)
+        super().log(logs, start_time)
+
+    def _add_memory(self, logs: dict) -> None:
+        try:
+            stats = self.runtime.memory_stats()
+        except Exception:  # pragma: no cover - a runtime without stats must not break training
+            return
+        logs.update({k: v for k, v in stats.items() if v is not None})
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.gaudi_config is not None:
+            self.gaudi_config.save_pretrained(output_dir or self.args.output_dir)
+
+
+def _hpu_optim(name: str):
+    try:
+        from polyfuse.backends.hpu import optim
+    except ImportError:
+        return None
+    return getattr(optim, name, None)
