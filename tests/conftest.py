@@ -16,6 +16,15 @@ if not HAS_CUDA:
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    skip_hpu = pytest.mark.skip(reason="needs an Intel Gaudi with habana_frameworks")
+    try:
+        import habana_frameworks.torch.hpu as hthpu  # noqa: F401
+
+        has_hpu = hthpu.is_available()
+    except Exception:
+        has_hpu = False
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+        if "hpu" in item.keywords and not has_hpu:
+            item.add_marker(skip_hpu)

@@ -227,3 +227,4 @@ def _load_backends() -> None:
     _loaded = True
     import polyfuse.ops  # noqa: F401  (declares ops and their native references)
     from polyfuse.backends import cuda, hpu  # noqa: F401  (register implementations)
+    from polyfuse.backends.cuda import runtime as _cuda_runtime  # noqa: F401  (registers the CUDA runtime)

@@ -6,6 +6,7 @@ and HPU backends subclass it in their own folders.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional
 
 import torch
@@ -38,14 +39,19 @@ class DeviceRuntime:
         pass
 
     def memory_stats(self) -> dict:
-        """GB, keyed like optimum-habana's get_hpu_memory_stats()."""
+        """GB, keyed like optimum-habana's get_hpu_memory_stats(). On the CPU: the process's resident memory."""
+        gb = 1024**3
+        stats = {}
         try:
             import resource
 
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # KiB -> GiB
-        except Exception:  # pragma: no cover - non-POSIX
-            rss = 0.0
-        return {"memory_allocated (GB)": None, "max_memory_allocated (GB)": round(rss, 2)}
+            with open("/proc/self/statm") as f:
+                stats["memory_allocated (GB)"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / gb, 2)
+            stats["max_memory_allocated (GB)"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gb, 2)
+            stats["total_memory_available (GB)"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / gb, 2)
+        except (OSError, ValueError, ImportError):  # not Linux
+            pass
+        return stats
 
 
 _RUNTIMES: dict[str, type] = {"cpu": DeviceRuntime}

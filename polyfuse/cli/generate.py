@@ -85,7 +85,7 @@ def encode(args, tokenizer, device):
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts
         ]
-    kw = dict(return_tensors="pt", add_special_tokens=not args.use_chat_template)
+    kw = {"return_tensors": "pt", "add_special_tokens": not args.use_chat_template}
     if args.max_input_tokens > 0:
         kw.update(padding="max_length", max_length=args.max_input_tokens, truncation=True)
     else:
@@ -99,6 +99,9 @@ def run(args) -> dict:
 
     validate(args)
     device = pick_device(args.device)
+    if args.flash_attention_fast_softmax is None:
+        # optimum-habana's intent: fast softmax by default with Gaudi flash attention, an explicit value wins.
+        args.flash_attention_fast_softmax = bool(args.use_flash_attention and device.type == "hpu")
     flags = {name: getattr(args, name) for name in FLAG_NAMES}
     flags, warnings = check_flags(device.type, flags)
     for w in warnings:

@@ -73,6 +73,7 @@ class PolyfuseTrainer(Trainer):
             args.bf16 = False  # like GaudiTrainer: bf16 becomes HPU autocast, not accelerate's mixed precision
         self.runtime = get_runtime(args.device)
         self.polyfuse_kernels: Optional[Kernels] = None
+        self._polyfuse_model = False
         self._polyfuse_report = self._prepare_model(model, args)
         self._report_printed = False
         self._fused_clip = None
@@ -81,6 +82,9 @@ class PolyfuseTrainer(Trainer):
         self._last_log_time = None
         self._train_start_time = None
         super().__init__(model, args, *a, **kw)
+        if self._polyfuse_model:
+            # polyfuse's forward returns a mean loss and ignores num_items_in_batch: let the Trainer scale it.
+            self.model_accepts_loss_kwargs = False
         if args.use_habana and args.use_lazy_mode:
             self.add_callback(_StepBoundary(self.runtime))
 
@@ -91,13 +95,17 @@ class PolyfuseTrainer(Trainer):
         device = args.device
         pf_cls = _polyfuse_llama_class()
         if pf_cls is not None and isinstance(model, pf_cls):
-            dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-            ctx = SelectionContext(device=device, dtype=dtype, flags=flags, training=True, overrides=overrides)
-            kernels = resolve(ctx)
-            if hasattr(model, "set_kernels"):
-                model.set_kernels(kernels)
+            self._polyfuse_model = True
+            try:
+                from polyfuse.models.llama.loading import set_kernels
+            except ImportError:  # pragma: no cover - older layout
+                set_kernels = None
+            if set_kernels is not None:
+                kernels = set_kernels(model, flags, overrides, training=True)
             else:
-                model.kernels = kernels
+                dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+                ctx = SelectionContext(device=device, dtype=dtype, flags=flags, training=True, overrides=overrides)
+                kernels = model.kernels = resolve(ctx)
             self.polyfuse_kernels = kernels
             return kernels.report()
         if _is_hf_llama(model):

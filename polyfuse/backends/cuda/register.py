@@ -85,7 +85,9 @@ IMPLEMENTATIONS = [
     _impl("attention", "sdpa_flash", "attention", "sdpa_attention", probe_sdpa),
     # Inference only (no backward): Lq == 1 runs the split-K kernel, other shapes go to SDPA inside the call
     # (probes see the run, not the shapes).
-    _impl("attention", "triton_decode", "attention", "decode_attention", probe_triton_decode, PRIORITY + 10, False),
+    _impl(
+        "attention", "triton_decode", "decode_attention", "decode_attention", probe_triton_decode, PRIORITY + 10, False
+    ),
 ]
 
 for _i in IMPLEMENTATIONS:

@@ -76,6 +76,8 @@ def set_kernels(model: LlamaForCausalLM, flags: dict, overrides: str = "", train
     model.runtime = get_runtime(model.device)
     model.flags = dict(flags)
     model.attention_options = {k: bool(flags.get(f)) for k, f in ATTENTION_OPTION_FLAGS.items()}
+    if model.device.type != "hpu":
+        model.attention_options["softmax_bf16"] = False  # a Gaudi option (check_flags warns about it elsewhere)
     if flags.get("torch_compile"):
         model.kernels = model.kernels.compiled()
     return model.kernels
@@ -154,7 +156,8 @@ def from_pretrained(
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: no such checkpoint folder")
         config = config_from_folder(path)
-        tensors = iter_safetensors(path)
+        dev = torch.device(device)
+        tensors = iter_safetensors(path, str(dev) if dev.type == "cuda" else "cpu")
     model = build(config, dtype, device, flags, overrides, training)
     with torch.no_grad():
         load_weights(model, tensors)

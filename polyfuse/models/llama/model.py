@@ -113,6 +113,12 @@ class LlamaForCausalLM(nn.Module):
 
     # -- building blocks shared by forward() and generation ------------------------------------------------------
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

@@ -13,7 +13,8 @@ import torch
 from polyfuse.models.llama.config import CheckpointError
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(path: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors are read straight onto ``device`` when it is a GPU (safetensors copies from the mapped file)."""
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
@@ -29,7 +30,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: listed in the index but missing")
         try:
-            with safe_open(file, framework="pt") as f:
+            with safe_open(file, framework="pt", device=device) as f:
                 for key in f.keys():
                     yield key, f.get_tensor(key)
         except SafetensorError as e:

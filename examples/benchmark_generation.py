@@ -1,0 +1,336 @@
+#!/usr/bin/env python
+"""Decode/prefill benchmark: polyfuse against transformers on the same random-weight shapes, in one process.
+
+    python examples/benchmark_generation.py --shapes llama3-8b --batch_sizes 1,16,64 --peers eager,static_compile
+    python examples/benchmark_generation.py --shapes tiny --batch_sizes 1 --new_tokens 16 --peers eager   # CPU smoke
+
+Every number is measured in this run: the copy bandwidth that sets the ceiling, polyfuse, and the peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from polyfuse.bench.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
+from polyfuse.bench.shapes import config_for  # noqa: E402
+from polyfuse.models.llama import LlamaForCausalLM  # noqa: E402
+from polyfuse.models.llama.loading import hf_state_items  # noqa: E402
+
+
+def log(row: dict, out) -> None:
+    print(json.dumps(row), flush=True)
+    if out:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
+def gb(x):
+    return round(x / 1e9, 3)
+
+
+def hf_twin(model):
+    """transformers' Llama sharing the polyfuse model's weight storage (no copy)."""
+    import transformers
+
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(model.config)
+    state = dict(hf_state_items(model))
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    hf.load_state_dict(state, assign=True, strict=False)
+    if model.config.tie_word_embeddings:
+        hf.tie_weights()
+    hf.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.clone()
+    hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq.clone()
+    hf.eval()
+    return hf
+
+
+class StepTimer:
+    """A logits processor that stamps each generation step (transformers syncs every step anyway)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def decode_ms(self):
+        import statistics
+
+        d = [b - a for a, b in zip(self.stamps[1:], self.stamps[2:])]  # skip the prefill step
+        return 1e3 * statistics.median(d)
+
+
+def bench_polyfuse(model, batch, prompt_len, new_tokens, device):
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)  # warm-up: graph capture happens here
+    warm = time.perf_counter() - t0
+    timings = {}
+    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, timings=timings)
+    ms = 1e3 * timings["rest_s"] / (timings["new_tokens"] - 1)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return ms, warm, peak
+
+
+def bench_hf(hf, mode, batch, prompt_len, new_tokens, device):
+    from transformers import LogitsProcessorList
+
+    ids = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if mode == "static_compile":
+        kw["cache_implementation"] = "static"
+        if not hasattr(hf, "_polyfuse_compiled"):
+            hf._orig_forward = hf.forward
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            hf._polyfuse_compiled = True
+    elif hasattr(hf, "_polyfuse_compiled"):
+        hf.forward = hf._orig_forward
+        del hf._polyfuse_compiled
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        hf.generate(ids, **kw)
+        if mode == "static_compile":
+            hf.generate(ids, **kw)  # reduce-overhead records graphs on the second call
+    warm = time.perf_counter() - t0
+    timer = StepTimer()
+    with torch.inference_mode():
+        hf.generate(ids, logits_processor=LogitsProcessorList([timer]), **kw)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return timer.decode_ms(), warm, peak
+
+
+def bench_prefill(model, hf, length, batch, device, out, shape):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    pos = torch.arange(length, device=device)[None].expand(batch, length)
+    with torch.inference_mode():
+        model.allocate_cache(batch, length)
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+        s = time_median(lambda: model.step(ids, pos, pos[0], None, length), reps=5)
+        extra = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else 0
+        model.cache = None
+        log(
+            dict(
+                what="prefill",
+                impl="polyfuse",
+                attention=model.kernels.choices["attention"].implementation.name,
+                shape=shape,
+                batch=batch,
+                L=length,
+                ms=1e3 * s,
+                peak_extra_GB=gb(extra),
+            ),
+            out,
+        )
+        if hf is not None:
+            for attn in ("sdpa", "eager"):
+                if attn == "eager" and batch * length > 8 * 4096:
+                    continue
+                hf.set_attn_implementation(attn)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+                torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+                s = time_median(lambda: hf(ids), reps=3 if batch > 1 else 5, warmup=1)
+                extra = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else 0
+                log(
+                    dict(
+                        what="prefill",
+                        impl="transformers",
+                        attention=attn,
+                        shape=shape,
+                        batch=batch,
+                        L=length,
+                        ms=1e3 * s,
+                        peak_extra_GB=gb(extra),
+                    ),
+                    out,
+                )
+            hf.set_attn_implementation("sdpa")
+
+
+def bench_load(model, device, out):
+    import transformers
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
+        model.save_pretrained(d)
+        del model
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        m = LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device=device)
+        ours = time.perf_counter() - t0
+        del m
+        torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        h = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device_map=str(device))
+        torch.cuda.synchronize()
+        theirs = time.perf_counter() - t0
+        del h
+        log(dict(what="load_to_gpu_s", polyfuse=ours, transformers=theirs), out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="llama3-8b,llama2-7b,llama2-13b")
+    p.add_argument("--batch_sizes", default="1,16,64")
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument(
+        "--peers", default="eager,static_compile", help="transformers modes to run beside polyfuse ('' for none)"
+    )
+    p.add_argument("--peer_shapes", default="llama3-8b", help="shapes on which the peers run")
+    p.add_argument("--peer_batch_sizes", default="1,16,64")
+    p.add_argument("--flags", default="use_flash_attention,use_cuda_graphs", help="polyfuse run flags")
+    p.add_argument("--ops", default="", help="polyfuse op overrides")
+    p.add_argument("--prefill", default="2048", help="prefill lengths at batch 1 ('' for none)")
+    p.add_argument("--attn_memory", action="store_true", help="batch 8 x 4096 prefill memory, flash vs eager vs SDPA")
+    p.add_argument("--block70b", action="store_true", help="Llama-2-70B single block decode, tokens/s per block")
+    p.add_argument("--load", action="store_true", help="load time from a local safetensors folder, 8B shape")
+    p.add_argument("--output", default=None, help="append JSON lines here")
+    args = p.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    flags = {f: True for f in args.flags.split(",") if f}
+    out = open(args.output, "a") if args.output else None
+    import transformers
+
+    log(
+        dict(
+            what="versions",
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            flags=sorted(flags),
+        ),
+        out,
+    )
+    bw = copy_bandwidth(device) if device.type == "cuda" else None
+    log(dict(what="copy_bandwidth_TBps", value=bw / 1e12 if bw else None), out)
+    peers = [m for m in args.peers.split(",") if m]
+    shapes = [s for s in args.shapes.split(",") if s]
+    if args.block70b:
+        shapes.append("llama2-70b-block")
+    for shape in shapes:
+        cfg = config_for(shape)
+        model = LlamaForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
+        model.eval()
+        wb = weight_bytes(model)
+        wb_read = weight_bytes(model, exclude_embedding=True)
+        log(
+            dict(
+                what="model",
+                shape=shape,
+                weight_GB=gb(wb),
+                decode_read_GB=gb(wb_read),
+                backends={k: v["implementation"] for k, v in model.kernels.as_dict().items()},
+            ),
+            out,
+        )
+        hf = hf_twin(model) if (peers and shape in args.peer_shapes.split(",")) or args.prefill else None
+        batch_sizes = [1] if shape == "llama2-70b-block" else [int(b) for b in args.batch_sizes.split(",")]
+        for bs in batch_sizes:
+            ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
+            kv = model.cache.nbytes() if model.cache is not None else 0
+            row = dict(
+                what="decode",
+                impl="polyfuse",
+                shape=shape,
+                bs=bs,
+                tok_per_s=bs * 1e3 / ms,
+                ms_per_step=ms,
+                warmup_s=warm,
+                mem_max_GB=gb(peak),
+            )
+            if bw:
+                row["frac_of_limit_weights"] = (wb / bw * 1e3) / ms  # the issue's definition: all weights / bandwidth
+                row["achieved_TBps"] = (wb_read + kv) / (ms / 1e3) / 1e12  # bytes actually read per step
+            log(row, out)
+            model.cache = None
+            if hf is not None and shape in args.peer_shapes.split(",") and str(bs) in args.peer_batch_sizes.split(","):
+                for mode in peers:
+                    try:
+                        hms, hwarm, hpeak = bench_hf(hf, mode, bs, args.prompt_len, args.new_tokens, device)
+                    except Exception as e:  # a peer failing must not lose polyfuse's numbers
+                        log(
+                            dict(
+                                what="decode", impl="transformers", mode=mode, shape=shape, bs=bs, error=str(e)[:300]
+                            ),
+                            out,
+                        )
+                        continue
+                    log(
+                        dict(
+                            what="decode",
+                            impl="transformers",
+                            mode=mode,
+                            shape=shape,
+                            bs=bs,
+                            tok_per_s=bs * 1e3 / hms,
+                            ms_per_step=hms,
+                            warmup_s=hwarm,
+                            mem_max_GB=gb(hpeak),
+                        ),
+                        out,
+                    )
+                if hasattr(hf, "_polyfuse_compiled"):
+                    hf.forward = hf._orig_forward
+                    del hf._polyfuse_compiled
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if shape == "llama2-70b-block" and hf is not None:
+            layer = hf.model.layers[0]
+            x = torch.randn(1, 1, cfg.hidden_size, device=device, dtype=dtype)
+            pos = torch.zeros(1, 1, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                pe = hf.model.rotary_emb(x, pos)
+                s = time_median(lambda: layer(x, position_embeddings=pe, attention_mask=None), reps=50)
+            log(
+                dict(
+                    what="block_decode",
+                    impl="transformers",
+                    mode="eager_nocache",
+                    ms=1e3 * s,
+                    tokens_per_s_per_block=1 / s,
+                ),
+                out,
+            )
+        if shape == "llama3-8b" or (shape == shapes[0] and device.type == "cpu"):
+            for L in [int(x) for x in args.prefill.split(",") if x]:
+                bench_prefill(model, hf, L, 1, device, out, shape)
+            if args.attn_memory:
+                bench_prefill(model, hf, 4096, 8, device, out, shape)
+                model.kernels.choices  # same model, eager attention for the comparison:
+                from polyfuse.models.llama.loading import set_kernels
+
+                set_kernels(model, {k: v for k, v in flags.items() if k != "use_flash_attention"}, args.ops)
+                bench_prefill(model, None, 4096, 8, device, out, shape)
+                set_kernels(model, flags, args.ops)
+        del hf
+        if args.load and shape == "llama3-8b" and device.type == "cuda":
+            bench_load(model, device, out)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()

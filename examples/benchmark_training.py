@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Training-step benchmark: polyfuse against transformers' own Llama (attn_implementation="sdpa") in one run.
+
+Same shape, sequence, batch, bf16 weights and fused AdamW for both; random weights in real shapes. A step is what
+transformers' Trainer does per batch: forward with labels, backward, clip grad norm, optimizer step, zero grad.
+Reports tokens/s, peak memory and (GPU) the longest sequence that fits, found by doubling until OOM.
+
+    python examples/benchmark_training.py --output bench_training.json              # GPU default set
+    python examples/benchmark_training.py --shape tiny --output /tmp/tiny.json      # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def _shape(hidden, layers, heads, kv_heads, intermediate, vocab, tied):
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": intermediate,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+    }
+
+
+SHAPES = {
+    "tiny": _shape(64, 2, 4, 2, 128, 256, True),
+    "llama-3.2-1b": _shape(2048, 16, 32, 8, 8192, 128256, True),
+    "llama-3-8b": _shape(4096, 32, 32, 8, 14336, 128256, False),
+}
+
+
+def _fail(msg: str):
+    print(f"benchmark_training.py: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="benchmark_training.py", description=__doc__.splitlines()[0])
+    p.error = _fail
+    p.add_argument("--shape", default=None, help=f"comma list of {', '.join(SHAPES)} (GPU default: 1b and 8b)")
+    p.add_argument("--seq", default=None, help="comma list of sequence lengths (default 2048,4096; tiny: 64,128)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up step)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.add_argument("--max_seq_cap", type=int, default=32768, help="stop the doubling search here")
+    p.add_argument("--no_max_seq", action="store_true", help="skip the longest-sequence search")
+    p.add_argument("--variants", default="transformers,polyfuse")
+    p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        _fail("--device cuda asked for but no CUDA GPU is available")
+    shapes = a.shape or ("llama-3.2-1b,llama-3-8b" if a.device.startswith("cuda") else "tiny")
+    a.shapes = [s.strip() for s in shapes.split(",") if s.strip()]
+    for s in a.shapes:
+        if s not in SHAPES:
+            _fail(f"unknown --shape {s!r} (choose from {', '.join(SHAPES)})")
+    seq = a.seq or ("64,128" if a.shapes == ["tiny"] else "2048,4096")
+    try:
+        a.seqs = [int(s) for s in seq.split(",") if s.strip()]
+    except ValueError:
+        _fail(f"--seq must be a comma list of integers, got {seq!r}")
+    a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    for v in a.variants:
+        if v not in ("transformers", "polyfuse"):
+            _fail(f"unknown variant {v!r} (transformers, polyfuse)")
+    if a.batch < 1 or a.steps < 1:
+        _fail("--batch and --steps must be at least 1")
+    a.torch_dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
+    return a
+
+
+def build(variant: str, shape: str, args, max_seq: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=max(max_seq, 4096), attn_implementation="sdpa")
+    device = torch.device(args.device)
+    flags = {"use_flash_attention": True}
+    if variant == "polyfuse":
+        try:
+            from polyfuse.models.llama import LlamaForCausalLM as PfLlama
+        except ImportError:
+            PfLlama = None
+        if PfLlama is not None and hasattr(PfLlama, "from_config"):
+            model = PfLlama.from_config(
+                cfg, dtype=args.torch_dtype, device=device, flags=flags, overrides=args.polyfuse_ops, training=True
+            )
+            return model, model.kernels.report(), "polyfuse LlamaForCausalLM"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(args.torch_dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    if variant == "polyfuse":
+        from polyfuse.patch import patch
+
+        h = patch(model, device=device, flags=flags, overrides=args.polyfuse_ops, training=True)
+        return model, h.report(), "transformers LlamaForCausalLM + polyfuse.patch"
+    return model, "", "transformers LlamaForCausalLM (sdpa)"
+
+
+def make_optimizer(model, device):
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused)
+
+
+def step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(model, opt, args, seq: int, steps: int):
+    device = torch.device(args.device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, seq), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step(model, opt, ids)  # warm-up (kernel compilation, optimizer state allocation)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step(model, opt, ids)
+    sync(device)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    return {
+        "tokens_per_s": round(args.batch * seq * steps / dt, 1),
+        "step_s": round(dt / steps, 4),
+        "peak_mem_gib": None if peak is None else round(peak, 2),
+        "loss": round(float(loss), 4),
+    }
+
+
+def _free(opt=None, model=None):
+    if model is not None:
+        model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def longest_seq(model, opt, args, start: int):
+    """Double the sequence from ``start`` until OOM (one step each); the last that fit, or None if none did."""
+    fit, seq = None, start
+    while seq <= args.max_seq_cap:
+        try:
+            run_case(model, opt, args, seq, 1)
+            fit = seq
+        except torch.cuda.OutOfMemoryError:
+            _free(opt, model)
+            break
+        seq *= 2
+    return fit
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(args.torch_dtype)[6:],
+               "batch": args.batch, "steps": args.steps, "cases": []}  # fmt: skip
+    for shape in args.shapes:
+        for variant in args.variants:
+            torch.manual_seed(0)
+            try:
+                model, report, impl = build(variant, shape, args, max(args.seqs))
+            except torch.cuda.OutOfMemoryError:
+                results["cases"].append({"shape": shape, "variant": variant, "error": "OOM building the model"})
+                _free()
+                continue
+            if report:
+                print(report, flush=True)
+            model.train()
+            opt = make_optimizer(model, device)
+            row_max = None
+            for seq in args.seqs:
+                case = {"shape": shape, "variant": variant, "impl": impl, "seq": seq}
+                try:
+                    case.update(run_case(model, opt, args, seq, args.steps))
+                except torch.cuda.OutOfMemoryError:
+                    case["error"] = "OOM"
+                    _free(opt, model)
+                results["cases"].append(case)
+                print(json.dumps(case), flush=True)
+            if device.type == "cuda" and not args.no_max_seq:
+                fitted = [
+                    c["seq"]
+                    for c in results["cases"]
+                    if c["shape"] == shape and c["variant"] == variant and "error" not in c
+                ]
+                row_max = longest_seq(model, opt, args, max(fitted) * 2 if fitted else min(args.seqs) // 2)
+                row_max = row_max or (max(fitted) if fitted else None)
+            results["cases"].append({"shape": shape, "variant": variant, "impl": impl, "max_seq": row_max})
+            del model, opt
+            _free()
+    table = ["| shape | variant | seq | tokens/s | peak GiB | step s | longest seq |", "|---|---|---|---|---|---|---|"]
+    maxes = {(c["shape"], c["variant"]): c["max_seq"] for c in results["cases"] if "max_seq" in c}
+    for c in results["cases"]:
+        if "seq" not in c:
+            continue
+        longest = maxes.get((c["shape"], c["variant"]))
+        cells = [c["shape"], c["variant"], c["seq"], c.get("tokens_per_s", c.get("error")), c.get("peak_mem_gib"),
+                 c.get("step_s"), longest if longest is not None else "n/a"]  # fmt: skip
+        table.append("| " + " | ".join("-" if v is None else str(v) for v in cells) + " |")
+    results["markdown"] = "\n".join(table)
+    print(results["markdown"])
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""CUDA graphs for inference: capture a whole step once per input signature and replay it.
+
+``GraphedStep(fn)`` turns any inference-mode callable ``fn(kv_len: int, *tensors) -> tensor`` into one that copies
+its tensor arguments into static buffers and replays a graph captured for that (kv_len, shapes, dtypes) key.
+``torch.cuda.make_graphed_callables`` is built for training (autograd); this is the inference counterpart.
+If capture fails the step runs eagerly from then on, after one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+
+logger = logging.getLogger("polyfuse")
+
+
+class GraphedStep:
+    def __init__(self, fn, warmup: int = 2, max_graphs: int = 64):
+        self.fn = fn
+        self.warmup = warmup
+        self.max_graphs = max_graphs
+        self.graphs: dict = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.disabled_reason = None
+
+    def reset(self) -> None:
+        """Forget every graph (call when the buffers they captured, e.g. the KV cache, are reallocated)."""
+        self.graphs.clear()
+        self.pool = None
+
+    def _key(self, kv_len, args):
+        return (kv_len,) + tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+
+    def __call__(self, kv_len: int, *args):
+        if self.disabled_reason is not None:
+            return self.fn(kv_len, *args)
+        key = self._key(kv_len, args)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_graphs:
+                logger.warning(
+                    "polyfuse: %d CUDA graphs captured; clearing them to capture a new shape", len(self.graphs)
+                )
+                self.reset()
+            try:
+                entry = self._capture(kv_len, args)
+            except Exception as e:  # capture is best effort: never a wrong or failed generation because of it
+                self.disabled_reason = f"{type(e).__name__}: {e}".splitlines()[0]
+                logger.warning("polyfuse: CUDA graph capture failed (%s); running steps eagerly", self.disabled_reason)
+                torch.cuda.synchronize()
+                return self.fn(kv_len, *args)
+            self.graphs[key] = entry
+        static_in, static_out, graph = entry
+        for buf, a in zip(static_in, args):
+            buf.copy_(a, non_blocking=True)
+        graph.replay()
+        return static_out
+
+    def _capture(self, kv_len, args):
+        t0 = time.perf_counter()
+        static_in = [a.clone() for a in args]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup):
+                self.fn(kv_len, *static_in)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = self.fn(kv_len, *static_in)
+        torch.cuda.synchronize()
+        self.capture_seconds += time.perf_counter() - t0
+        return static_in, static_out, graph

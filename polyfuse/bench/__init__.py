@@ -1,0 +1,1 @@
+"""Benchmark helpers shared by examples/benchmark_*.py: model shapes, bandwidth ceiling, timing."""

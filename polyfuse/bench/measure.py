@@ -1,0 +1,52 @@
+"""Measurement helpers: the device's copy bandwidth (the decode ceiling) and event-timed medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def copy_bandwidth(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / time_median(lambda: dst.copy_(src), reps=reps)
+
+
+def time_median(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` timed with CUDA events (host clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    cuda = torch.cuda.is_available()
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def weight_bytes(model, exclude_embedding: bool = False) -> int:
+    """Bytes of distinct parameters; the embedding table is read one row per token, so decode can exclude it."""
+    seen, total = set(), 0
+    emb = model.get_input_embeddings().weight
+    if emb is model.get_output_embeddings().weight:
+        emb = None  # tied: the table is read whole by the LM head
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embedding and emb is not None and p is emb:
+            continue
+        total += p.numel() * p.element_size()
+    return total
