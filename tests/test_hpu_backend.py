@@ -1,0 +1,692 @@
+"""HPU (Intel Gaudi) backend.
+
+Everything not marked ``hpu`` runs in CI without Gaudi: the implementations are called directly on CPU tensors
+against the TEST DOUBLE of ``habana_frameworks`` in tests/habana_double (put on sys.path by the ``hf`` fixture only),
+and the registry and runtime are exercised with ``torch.device("hpu")``, which constructs without the hardware.
+Tests marked ``hpu`` run the real kernels on a Gaudi (``make test-hpu``).
+"""
+
+import importlib.util
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyfuse.backends import registry
+from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu.attention import eager_attention, fused_sdpa
+from polyfuse.backends.hpu.bucketing import bucketed_length, next_cache_length, pad_to_length, valid_lengths
+from polyfuse.backends.hpu.optim import fused_adamw, fused_clip_norm
+from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
+from polyfuse.backends.hpu.rotary import fused_rope
+from polyfuse.backends.hpu.runtime import HpuGraphStep, HpuRuntime
+from polyfuse.backends.registry import SelectionContext
+from polyfuse.backends.runtime import DeviceRuntime, get_runtime
+from polyfuse.ops.add_rms_norm import add_rms_norm_native
+from polyfuse.ops.attention import AttentionMeta, attention_native
+from polyfuse.ops.rms_norm import rms_norm_native
+from polyfuse.ops.rotary import rotary_native
+
+
+DOUBLE = Path(__file__).parent / "habana_double"
+HPU = torch.device("hpu")
+REAL_HABANA = importlib.util.find_spec("habana_frameworks") is not None
+needs_gaudi = pytest.mark.skipif(not REAL_HABANA, reason="needs an Intel Gaudi with habana_frameworks")
+
+
+def _forget_habana():
+    for name in list(sys.modules):
+        if name == "habana_frameworks" or name.startswith("habana_frameworks."):
+            del sys.modules[name]
+    _habana.clear_cache()
+
+
+@pytest.fixture
+def hf(monkeypatch):
+    """The test double of habana_frameworks, importable for this test only."""
+    _forget_habana()
+    monkeypatch.syspath_prepend(str(DOUBLE))
+    import habana_frameworks
+
+    assert habana_frameworks.TEST_DOUBLE
+    habana_frameworks.reset()
+    yield habana_frameworks
+    _forget_habana()
+
+
+@pytest.fixture
+def no_habana(monkeypatch):
+    """habana_frameworks not importable, even on a machine that has it."""
+    _forget_habana()
+    monkeypatch.setitem(sys.modules, "habana_frameworks", None)
+    yield
+    _habana.clear_cache()
+
+
+@pytest.fixture
+def lazy(monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+
+
+def _qkv(b=2, hq=4, hkv=2, lq=6, lk=6, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    return q, k, v
+
+
+def _padded_causal_mask(lengths, l, dtype):
+    """Additive [B, 1, L, L] causal + left-padding mask, as the model builds it for a left-padded prefill."""
+    neg = torch.finfo(dtype).min
+    pos = torch.arange(l)
+    causal = pos[None, :] > pos[:, None]
+    pad = pos[None, :] < (l - lengths[:, None])
+    drop = causal[None] | pad[:, None, :]
+    return torch.zeros(drop.shape, dtype=dtype).masked_fill(drop, neg)[:, None]
+
+
+def _valid_rows(out, lengths):
+    l = out.shape[2]
+    return [out[b, :, l - int(n) :] for b, n in enumerate(lengths)]
+
+
+def _assert_valid_rows_close(a, b, lengths, **tol):
+    for x, y in zip(_valid_rows(a, lengths), _valid_rows(b, lengths)):
+        torch.testing.assert_close(x.float(), y.float(), **tol)
+
+
+TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+# -- import hygiene ----------------------------------------------------------------------------------------------------
+
+
+def test_polyfuse_import_never_imports_habana():
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "import polyfuse, polyfuse.backends.hpu\n"
+        "from polyfuse.backends import registry; registry._load_backends()\n"
+        "assert not [m for m in sys.modules if m.startswith('habana_frameworks')], 'habana imported'\n"
+    ) % str(DOUBLE)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_hpu_device_constructs_without_hardware():
+    assert torch.device("hpu").type == "hpu"
+
+
+# -- attention: arguments per flag combination -------------------------------------------------------------------------
+
+
+def _last_sdpa(hf):
+    calls = hf.calls("FusedSDPA")
+    assert len(calls) == 1
+    args, kwargs = calls[0]
+    assert kwargs == {}
+    assert len(args) == 11
+    return args
+
+
+def test_sdpa_decode_args(hf):
+    q, k, v = _qkv(lq=1, lk=9)
+    mask = torch.zeros(2, 1, 1, 9)
+    mask[0, ..., :3] = torch.finfo(torch.float32).min
+    meta = AttentionMeta(
+        scale=16**-0.5, mask=mask, decode=True, causal_prefill=True, recompute=True, fast_softmax=True
+    )
+    fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[0] is q
+    assert args[1].shape == (2, 4, 9, 16) and args[2].shape == (2, 4, 9, 16)  # GQA: kv repeated to Hq
+    assert args[3] is mask
+    # decode ignores the prefill options: (mask, 0.0, False, None, "None", False, None, "None")
+    assert args[4:] == (0.0, False, None, "None", False, None, "None")
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+def test_sdpa_prefill_causal_args(hf, recompute, fast):
+    q, k, v = _qkv()
+    lengths = torch.tensor([6, 4], dtype=torch.int32)
+    meta = AttentionMeta(
+        scale=16**-0.5,
+        mask=_padded_causal_mask(lengths, 6, torch.float32),
+        valid_lengths=lengths,
+        causal_prefill=True,
+        recompute=recompute,
+        fast_softmax=fast,
+    )
+    fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[3] is None
+    assert args[4:9] == (0.0, True, None, "fast" if fast else "None", recompute)
+    assert args[9] is lengths
+    assert args[10] == "left"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("fast", [False, True])
+def test_sdpa_prefill_mask_args(hf, recompute, fast):
+    q, k, v = _qkv()
+    lengths = torch.tensor([6, 4])
+    mask = _padded_causal_mask(lengths, 6, torch.float32)
+    meta = AttentionMeta(scale=16**-0.5, mask=mask, recompute=recompute, fast_softmax=fast)
+    fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[3] is mask
+    assert args[4:] == (0.0, False, None, "fast" if fast else "None", recompute, None, "None")
+
+
+def test_sdpa_prefill_no_mask_is_causal_uses_kernel_causal_mode(hf):
+    q, k, v = _qkv()
+    fused_sdpa(q, k, v, AttentionMeta(scale=16**-0.5, is_causal=True))
+    assert _last_sdpa(hf)[3:] == (None, 0.0, True, None, "None", False, None, "None")
+
+
+def test_sdpa_causal_with_longer_keys_passes_explicit_mask(hf):
+    q, k, v = _qkv(lq=3, lk=8)
+    out = fused_sdpa(q, k, v, AttentionMeta(scale=16**-0.5, is_causal=True, causal_prefill=True))
+    args = _last_sdpa(hf)
+    assert args[5] is False and args[3].shape == (1, 1, 3, 8)
+    torch.testing.assert_close(out, attention_native(q, k, v, AttentionMeta(scale=16**-0.5, is_causal=True)))
+
+
+def test_sdpa_casts_lengths_to_int32_mask_to_q_dtype_and_passes_custom_scale(hf):
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    meta = AttentionMeta(scale=0.1, valid_lengths=torch.tensor([6, 4]), causal_prefill=True)
+    fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[6] == 0.1 and args[9].dtype == torch.int32
+    hf.reset()
+    fused_sdpa(q, k, v, AttentionMeta(scale=0.1, mask=torch.zeros(2, 1, 6, 6)))
+    assert _last_sdpa(hf)[3].dtype == torch.bfloat16
+
+
+def test_double_rejects_bad_arguments(hf):
+    from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+    q, k, v = _qkv(hkv=4)
+    ok = (q, k, v, None, 0.0, True, None, "None", False, torch.tensor([6, 6], dtype=torch.int32), "left")
+    FusedSDPA.apply(*ok)
+    bad = {
+        7: "slow",  # softmax_mode
+        10: "middle",  # padding_side
+        9: torch.tensor([6, 6]),  # int64 lengths
+    }
+    for index, value in bad.items():
+        args = list(ok)
+        args[index] = value
+        with pytest.raises(ValueError):
+            FusedSDPA.apply(*args)
+    with pytest.raises(ValueError):  # lengths without causal mode
+        FusedSDPA.apply(q, k, v, None, 0.0, False, None, "None", False, ok[9], "left")
+    with pytest.raises(ValueError):  # keyword call
+        FusedSDPA.apply(q, k, v, None, 0.0, True, None, "None", False, None, padding_side="None")
+    with pytest.raises(ValueError):  # unrepeated GQA heads
+        FusedSDPA.apply(q, k[:, :2], v[:, :2], None, 0.0, False, None, "None", False, None, "None")
+
+
+# -- attention: numerical parity with the native reference -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_parity_decode(hf, dtype):
+    q, k, v = _qkv(lq=1, lk=9, dtype=dtype)
+    mask = torch.zeros(2, 1, 1, 9, dtype=dtype)
+    mask[1, ..., :4] = torch.finfo(dtype).min
+    meta = AttentionMeta(scale=16**-0.5, mask=mask, decode=True)
+    torch.testing.assert_close(fused_sdpa(q, k, v, meta), attention_native(q, k, v, meta), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal_prefill", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sdpa_parity_prefill(hf, dtype, causal_prefill, recompute):
+    q, k, v = _qkv(dtype=dtype)
+    lengths = torch.tensor([6, 3], dtype=torch.int32)
+    meta = AttentionMeta(
+        scale=16**-0.5,
+        mask=_padded_causal_mask(lengths, 6, dtype),
+        valid_lengths=lengths,
+        causal_prefill=causal_prefill,
+        recompute=recompute,
+    )
+    _assert_valid_rows_close(fused_sdpa(q, k, v, meta), attention_native(q, k, v, meta), lengths, **TOL[dtype])
+
+
+def test_sdpa_parity_fast_softmax_bf16(hf):
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    lengths = torch.tensor([6, 5], dtype=torch.int32)
+    meta = AttentionMeta(
+        scale=16**-0.5, mask=_padded_causal_mask(lengths, 6, torch.bfloat16), valid_lengths=lengths, fast_softmax=True
+    )
+    out = fused_sdpa(q, k, v, meta)
+    _assert_valid_rows_close(out, attention_native(q, k, v, meta), lengths, atol=5e-2, rtol=5e-2)
+
+
+def test_sdpa_backward_through_double(hf):
+    q, k, v = (t.requires_grad_() for t in _qkv(hkv=4))
+    fused_sdpa(q, k, v, AttentionMeta(scale=0.25, is_causal=True)).sum().backward()
+    assert q.grad is not None and k.grad is not None
+
+
+def test_eager_attention_softmax_bf16():
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    lengths = torch.tensor([6, 4])
+    mask = _padded_causal_mask(lengths, 6, torch.bfloat16)
+    meta = AttentionMeta(scale=16**-0.5, mask=mask)
+    torch.testing.assert_close(eager_attention(q, k, v, meta), attention_native(q, k, v, meta), rtol=0, atol=0)
+    meta_bf16 = AttentionMeta(scale=16**-0.5, mask=mask, softmax_bf16=True)
+    out = eager_attention(q, k, v, meta_bf16)
+    # Softmax in bf16 (not fp32): same as doing it by hand in the query dtype.
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = torch.matmul(q, kr.transpose(2, 3)) * meta.scale + mask
+    expected = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.bfloat16), vr)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    _assert_valid_rows_close(out, attention_native(q, k, v, meta), lengths, atol=3e-2, rtol=3e-2)
+
+
+# -- rms_norm / add_rms_norm -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_rms_norm_args_and_parity(hf, x_dtype, w_dtype):
+    x = torch.randn(2, 5, 32).to(x_dtype)
+    w = (1 + 0.1 * torch.randn(32)).to(w_dtype)
+    y = fused_rms_norm(x, w, 1e-6)
+    ((args, kwargs),) = hf.calls("FusedRMSNorm")
+    assert args[0] is x and args[1] is w and args[2] == 1e-6 and kwargs == {}
+    assert y.dtype == x_dtype
+    torch.testing.assert_close(y, rms_norm_native(x, w, 1e-6), **TOL[x_dtype])
+
+
+def test_rms_norm_casts_x_to_weight_dtype_and_back(hf):
+    x = torch.randn(2, 5, 32, dtype=torch.float32)
+    w = torch.ones(32, dtype=torch.bfloat16)
+    y = fused_rms_norm(x, w, 1e-5)
+    ((args, _),) = hf.calls("FusedRMSNorm")
+    assert args[0].dtype == torch.bfloat16 and y.dtype == torch.float32
+    torch.testing.assert_close(y, rms_norm_native(x, w, 1e-5).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_parity(hf, dtype):
+    x, res = torch.randn(2, 5, 32).to(dtype), torch.randn(2, 5, 32).to(dtype)
+    w = (1 + 0.1 * torch.randn(32)).to(dtype)
+    y, r = fused_add_rms_norm(x, res, w, 1e-6)
+    y_ref, r_ref = add_rms_norm_native(x, res, w, 1e-6)
+    torch.testing.assert_close(r, r_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y, y_ref, **TOL[dtype])
+    assert len(hf.calls("FusedRMSNorm")) == 1
+
+
+# -- rotary -----------------------------------------------------------------------------------------------------------
+
+
+def _cos_sin(b, l, d, offset=0):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    pos = torch.arange(offset, offset + l).float()[None, :].expand(b, l) + torch.arange(b)[:, None] * 3
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("l", [7, 1])
+def test_rope_args_and_parity(hf, dtype, l):
+    q, k, _ = _qkv(lq=l, lk=l, dtype=dtype)
+    cos, sin = _cos_sin(2, l, 16)
+    q_out, k_out = fused_rope(q, k, cos, sin)
+    calls = hf.calls("RotaryPosEmbeddingHelperV2")
+    assert len(calls) == 2 and calls[0][0][0] is q and calls[1][0][0] is k
+    for args, kwargs in calls:
+        _, c, s, pos = args
+        assert kwargs == {}
+        assert c.shape == (1, 1, 2 * l, 16) and s.shape == c.shape
+        assert c.dtype == dtype and s.dtype == dtype  # cast to q's dtype, else Habana would compute in fp32
+        assert pos.dtype == torch.int64 and torch.equal(pos, torch.arange(2 * l).view(2, l))
+    assert q_out.dtype == dtype and q_out.shape == q.shape and k_out.shape == k.shape
+    q_ref, k_ref = rotary_native(q, k, cos, sin)
+    torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+def test_rope_double_promotes_fp32_tables(hf):
+    from habana_frameworks.torch.hpex.kernels import RotaryPosEmbeddingHelperV2
+
+    q = torch.randn(1, 2, 3, 8, dtype=torch.bfloat16)
+    cos, sin = _cos_sin(1, 3, 8)
+    out = RotaryPosEmbeddingHelperV2.apply(q, cos[:, None], sin[:, None], None)
+    assert out.dtype == torch.float32  # why fused_rope casts the tables first
+
+
+# -- registry ---------------------------------------------------------------------------------------------------------
+
+FUSED = {"attention": "fused_sdpa", "rms_norm": "fused_rms_norm", "add_rms_norm": "fused_add_rms_norm"}
+FUSED["rotary"] = "fused_rope"
+
+
+def test_registry_implementations_declared():
+    for op, name in FUSED.items():
+        impl = next(i for i in registry.implementations(op) if i.name == name)
+        assert impl.backend == "hpu" and impl.devices == ("hpu",) and impl.supports_backward
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_registry_selects_fused_on_hpu_with_habana(hf, training):
+    ctx = SelectionContext(HPU, torch.bfloat16, flags={"use_flash_attention": True}, training=training)
+    kernels = registry.resolve(ctx)
+    for op, name in FUSED.items():
+        assert kernels.choices[op].implementation.name == name, kernels.report()
+    assert kernels.attention is fused_sdpa and kernels.rms_norm is fused_rms_norm
+
+
+def test_registry_attention_needs_flash_flag(hf):
+    kernels = registry.resolve(SelectionContext(HPU, torch.bfloat16))
+    assert kernels.choices["attention"].implementation.name == "native"
+    assert "--use_flash_attention not set" in kernels.choices["attention"].reason
+    assert kernels.choices["rms_norm"].implementation.name == "fused_rms_norm"
+    kernels = registry.resolve(SelectionContext(HPU, torch.bfloat16, overrides="+attention,-rotary"))
+    assert kernels.choices["attention"].implementation.name == "fused_sdpa"
+    assert kernels.choices["rotary"].implementation.name == "native"
+
+
+def test_registry_falls_back_without_habana(no_habana):
+    kernels = registry.resolve(SelectionContext(HPU, torch.bfloat16, flags={"use_flash_attention": True}))
+    expect = {
+        "attention": "fused_sdpa: habana_frameworks.torch.hpex.kernels.FusedSDPA not importable",
+        "rms_norm": "fused_rms_norm: habana_frameworks.torch.hpex.normalization.FusedRMSNorm not importable",
+        "add_rms_norm": "fused_add_rms_norm: habana_frameworks.torch.hpex.normalization.FusedRMSNorm not importable",
+        "rotary": "fused_rope: habana_frameworks.torch.hpex.kernels.RotaryPosEmbeddingHelperV2 not importable",
+    }
+    for op, reason in expect.items():
+        choice = kernels.choices[op]
+        assert choice.implementation.name == "native"
+        assert choice.reason == "fallback: " + reason
+
+
+def test_registry_never_picks_hpu_impls_on_cpu(hf):
+    kernels = registry.resolve(SelectionContext(torch.device("cpu"), flags={"use_flash_attention": True}))
+    for op in FUSED:
+        assert kernels.choices[op].implementation.backend != "hpu"
+
+
+# -- runtime: graphs -------------------------------------------------------------------------------------------------
+
+
+class _Step(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _names(hf):
+    return [n for n, _, _ in hf.CALLS]
+
+
+def test_get_runtime_hpu(hf):
+    rt = get_runtime("hpu")
+    assert isinstance(rt, HpuRuntime) and rt.graph_flag == "use_hpu_graphs" and rt.device.type == "hpu"
+
+
+def test_graph_module_without_flag_is_identity(hf, lazy):
+    m = _Step()
+    for phase in ("prefill", "decode"):
+        assert get_runtime("hpu").graph_module(m, phase, {}) is m
+    assert "wrap_in_hpu_graph" not in _names(hf)
+
+
+def test_graph_module_wraps_both_phases_once(hf, lazy):
+    rt, m = get_runtime("hpu"), _Step()
+    flags = {"use_hpu_graphs": True}
+    prefill = rt.graph_module(m, "prefill", flags)
+    decode = rt.graph_module(m, "decode", flags)
+    assert isinstance(prefill, HpuGraphStep) and isinstance(decode, HpuGraphStep)
+    assert prefill.module is m and decode.module is m and not prefill.bypass and not decode.bypass
+    assert len(hf.calls("wrap_in_hpu_graph")) == 1
+    x = torch.randn(2, 4)
+    prefill(x)
+    decode(x)
+    decode(torch.randn(2, 4))
+    assert [n for n in _names(hf) if n.startswith("hpu_graph")] == ["hpu_graph_capture"] + ["hpu_graph_replay"] * 2
+    # After the KV cache is reallocated the generation loop calls reset(): graphs are captured again.
+    hf.reset()
+    decode.reset()
+    decode(x)
+    decode(x)
+    assert [n for n in _names(hf) if n.startswith("hpu_graph")] == ["hpu_graph_capture", "hpu_graph_replay"]
+
+
+def test_limit_hpu_graphs_bypasses_prefill_only(hf, lazy):
+    rt, m = get_runtime("hpu"), _Step()
+    flags = {"use_hpu_graphs": True, "limit_hpu_graphs": True, "max_graphs": 8}
+    prefill = rt.graph_module(m, "prefill", flags)
+    decode = rt.graph_module(m, "decode", flags)
+    assert prefill.bypass and not decode.bypass and prefill.module is decode.module is m
+    assert hf.calls("wrap_in_hpu_graph")[0][1] == {"max_graphs": 8}
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(prefill(x), m.lin(x))
+    decode(x)
+    assert [n for n in _names(hf) if n.startswith("hpu_graph")] == ["hpu_graph_bypass", "hpu_graph_capture"]
+
+
+def test_hpu_graphs_need_lazy_mode(hf, eager):
+    rt, m = get_runtime("hpu"), _Step()
+    with pytest.raises(ValueError, match="lazy mode"):
+        rt.graph_module(m, "decode", {"use_hpu_graphs": True})
+    # torch.compile owns graphs there: optimum-habana turns --use_hpu_graphs off.
+    assert rt.graph_module(m, "decode", {"use_hpu_graphs": True, "torch_compile": True}) is m
+    assert "wrap_in_hpu_graph" not in _names(hf)
+    with pytest.raises(ValueError, match="phase"):
+        rt.graph_module(m, "train", {})
+
+
+# -- runtime: mark_step placement, sync, memory --------------------------------------------------------------------------
+
+
+def test_mark_step_in_lazy_mode(hf, lazy):
+    rt = get_runtime("hpu")
+    rt.mark_step()
+    hook = rt.layer_hook()
+    assert hook is not None
+    for _ in range(3):  # the model calls it before every decoder layer
+        hook()
+    assert _names(hf).count("mark_step") == 4
+
+
+def test_no_mark_step_in_eager_mode(hf, eager):
+    rt = get_runtime("hpu")
+    rt.mark_step()
+    assert rt.layer_hook() is None
+    assert "mark_step" not in _names(hf)
+
+
+def test_no_mark_step_on_cpu_runtime(hf, lazy):
+    rt = get_runtime("cpu")
+    assert type(rt) is DeviceRuntime
+    rt.mark_step()
+    assert rt.layer_hook() is None
+    assert rt.graph_module(_Step(), "decode", {"use_hpu_graphs": True}) is not None
+    assert hf.CALLS == []
+
+
+def test_runtime_without_habana_is_harmless(no_habana, lazy):
+    rt = get_runtime("hpu")
+    rt.mark_step()
+    rt.synchronize()
+    rt.reset_peak_memory()
+    assert rt.layer_hook() is None
+    assert "max_memory_allocated (GB)" in rt.memory_stats()
+
+
+def test_memory_stats_format(hf):
+    gb = 1024**3
+    hf.torch.hpu.MEMORY.update(InUse=int(17.56 * gb) + 5, MaxInUse=int(19.423 * gb), Limit=int(94.62 * gb) + 7)
+    rt = get_runtime("hpu")
+    stats = rt.memory_stats()
+    assert stats == {
+        "memory_allocated (GB)": 17.56,
+        "max_memory_allocated (GB)": 19.42,
+        "total_memory_available (GB)": 94.62,
+    }
+    assert hf.calls("memory_stats")[0][0] == (rt.device,)
+    lines = ["{:35} = {} GB".format(k[:-5].replace("_", " ").capitalize(), v) for k, v in stats.items()]
+    assert lines[0] == "Memory allocated                    = 17.56 GB"
+    assert lines[2] == "Total memory available              = 94.62 GB"
+    rt.reset_peak_memory()
+    assert rt.memory_stats()["max_memory_allocated (GB)"] == 17.56
+    rt.synchronize()
+    assert "synchronize" in _names(hf)
+
+
+# -- bucketing ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt,new,bucket,expected",
+    [(10, 20, -1, 30), (10, 20, 0, 30), (10, 20, 128, 128), (128, 20, 128, 256), (129, 5, 128, 256), (0, 4, 16, 16)],
+)
+def test_bucketed_length(prompt, new, bucket, expected):
+    assert bucketed_length(prompt, new, bucket) == expected
+    if bucket > 0:
+        assert bucketed_length(prompt, new, bucket) % bucket == 0
+
+
+def test_next_cache_length():
+    assert next_cache_length(128, 100, 128) == 128  # fits
+    assert next_cache_length(128, 129, 128) == 256  # one bucket more
+    assert next_cache_length(128, 300, 128) == 384
+    assert next_cache_length(128, 129, 128, max_len=200) == 200  # capped
+    assert next_cache_length(30, 31, -1, max_len=60) == 60
+    assert next_cache_length(30, 31, 0) == 31
+    with pytest.raises(ValueError):
+        next_cache_length(128, 201, 128, max_len=200)
+    # Walking a generation: the cache grows only at bucket boundaries.
+    cur, lengths = bucketed_length(5, 40, 16), set()
+    for needed in range(6, 46):
+        cur = next_cache_length(cur, needed, 16)
+        lengths.add(cur)
+    assert lengths == {16, 32, 48}
+
+
+def test_pad_to_length_left_pads():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    out_ids, out_mask = pad_to_length(ids, mask, 5, pad_id=0)
+    assert out_ids.tolist() == [[0, 0, 0, 5, 6], [0, 0, 7, 8, 9]]
+    assert out_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
+    assert out_mask.dtype == mask.dtype
+    assert valid_lengths(out_mask).tolist() == [2, 3] and valid_lengths(out_mask).dtype == torch.int32
+
+
+def test_pad_to_length_truncates_and_repads():
+    ids = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    out_ids, out_mask = pad_to_length(ids, mask, 3, pad_id=-1)
+    assert out_ids.tolist() == [[1, 2, 3], [-1, 5, 6]]  # keeps the first tokens, like tokenizer truncation
+    assert out_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    right = pad_to_length(torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]), 4, pad_id=0)
+    assert right[0].tolist() == [[0, 0, 5, 6]] and right[1].tolist() == [[0, 0, 1, 1]]
+    none_mask = pad_to_length(torch.tensor([[3, 4]]), None, 3, pad_id=9)
+    assert none_mask[0].tolist() == [[9, 3, 4]] and none_mask[1].tolist() == [[0, 1, 1]]
+
+
+# -- fused optimizer helpers -----------------------------------------------------------------------------------------
+
+
+def test_fused_adamw(hf):
+    model = torch.nn.Linear(4, 2)
+    opt = fused_adamw(model.parameters(), lr=1e-2, weight_decay=0.1)
+    assert type(opt).__module__ == "habana_frameworks.torch.hpex.optimizers"
+    assert hf.calls("FusedAdamW")[0][1]["lr"] == 1e-2 and hf.calls("FusedAdamW")[0][1]["eps"] == 1e-6
+    before = model.weight.detach().clone()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(before, model.weight)
+
+
+def test_fused_clip_norm(hf):
+    model = torch.nn.Linear(4, 2)
+    clipper = fused_clip_norm(model.parameters(), 0.5)
+    (model(torch.randn(8, 4)) * 10).sum().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    norm = clipper.clip_norm(model.parameters())
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert math.isclose(float(clipped), 0.5, rel_tol=1e-4)
+
+
+def test_fused_optim_helpers_without_habana(no_habana):
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert fused_adamw(params, lr=1e-3) is None
+    assert fused_clip_norm(params, 1.0) is None
+
+
+# -- real Gaudi ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gaudi():
+    _habana.clear_cache()
+    import habana_frameworks.torch  # noqa: F401  (registers the hpu device with torch)
+
+    assert not getattr(sys.modules["habana_frameworks"], "TEST_DOUBLE", False)
+    return torch.device("hpu")
+
+
+@pytest.mark.parametrize("causal_prefill", [False, True])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.hpu
+@needs_gaudi
+def test_gaudi_fused_sdpa_vs_native(gaudi, causal_prefill, decode):
+    lq = 1 if decode else 64
+    q, k, v = (t.to(gaudi) for t in _qkv(b=2, hq=8, hkv=2, lq=lq, lk=64, d=64, dtype=torch.bfloat16))
+    lengths = torch.tensor([64, 40], dtype=torch.int32)
+    mask = _padded_causal_mask(lengths, 64, torch.bfloat16)
+    mask = (mask[:, :, -1:] if decode else mask).to(gaudi)
+    meta = AttentionMeta(
+        scale=64**-0.5, mask=mask, valid_lengths=lengths.to(gaudi), decode=decode, causal_prefill=causal_prefill
+    )
+    out, ref = fused_sdpa(q, k, v, meta).cpu(), attention_native(q, k, v, meta).cpu()
+    _assert_valid_rows_close(out, ref, lengths if not decode else torch.ones(2), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.hpu
+@needs_gaudi
+def test_gaudi_fused_rms_norm_and_rope_vs_native(gaudi):
+    x = torch.randn(2, 16, 256, dtype=torch.bfloat16, device=gaudi)
+    w = torch.randn(256, dtype=torch.bfloat16, device=gaudi)
+    torch.testing.assert_close(fused_rms_norm(x, w, 1e-6).cpu(), rms_norm_native(x, w, 1e-6).cpu(), **TOL[x.dtype])
+    q, k, _ = (t.to(gaudi) for t in _qkv(b=2, hq=8, hkv=2, lq=16, lk=16, d=64, dtype=torch.bfloat16))
+    cos, sin = (t.to(gaudi) for t in _cos_sin(2, 16, 64, offset=5))
+    for a, b in zip(fused_rope(q, k, cos, sin), rotary_native(q, k, cos, sin)):
+        torch.testing.assert_close(a.cpu(), b.cpu(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.hpu
+@needs_gaudi
+def test_gaudi_runtime(gaudi, lazy):
+    rt = get_runtime(gaudi)
+    m = _Step().to(gaudi)
+    step = rt.graph_module(m, "decode", {"use_hpu_graphs": True})
+    x = torch.randn(2, 4, device=gaudi)
+    for _ in range(3):
+        y = step(x)
+        rt.mark_step()
+    torch.testing.assert_close(y.cpu(), m.lin(x).cpu())
+    rt.synchronize()
+    stats = rt.memory_stats()
+    assert set(stats) == {"memory_allocated (GB)", "max_memory_allocated (GB)", "total_memory_available (GB)"}
+    assert stats["total_memory_available (GB)"] > 0
