@@ -1,0 +1,125 @@
+"""Selection of the NVIDIA implementations on a fake CUDA context (no GPU needed: probes are plain functions)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from polyfuse.backends import registry
+from polyfuse.backends.cuda import register as cuda_register
+from polyfuse.backends.registry import SelectionContext
+
+
+CUDA = torch.device("cuda")
+TRITON_OPS = {
+    "rms_norm": "triton",
+    "add_rms_norm": "triton",
+    "rotary": "triton",
+    "swiglu": "triton",
+    "linear_cross_entropy": "triton_chunked",
+}
+
+
+def _cuda_impls():
+    return {(i.op, i.name): i for op in registry.ops() for i in registry.implementations(op) if i.backend == "cuda"}
+
+
+def test_everything_registered_for_cuda_only():
+    impls = _cuda_impls()
+    for op, name in TRITON_OPS.items():
+        assert (op, name) in impls
+    assert ("attention", "sdpa_flash") in impls
+    assert ("attention", "triton_decode") in impls
+    assert not impls[("attention", "triton_decode")].supports_backward
+    for impl in impls.values():
+        assert impl.devices == ("cuda",)
+        assert impl.probe is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [False, True])
+def test_cuda_context_picks_triton(dtype, training):
+    assert cuda_register.triton_unusable() is None, "triton should import in the dev env"
+    kernels = registry.resolve(SelectionContext(CUDA, dtype, flags={"use_flash_attention": True}, training=training))
+    for op, name in TRITON_OPS.items():
+        choice = kernels.choices[op]
+        assert (choice.implementation.backend, choice.implementation.name) == ("cuda", name), choice.reason
+    # Inference: the split-K decode kernel (it sends Lq > 1 to SDPA itself); training: SDPA (decode has no backward).
+    assert kernels.choices["attention"].implementation.name == ("sdpa_flash" if training else "triton_decode")
+    assert "cuda:triton" in kernels.report()
+
+
+def test_attention_needs_the_flag():
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16))
+    assert kernels.choices["attention"].implementation.name == registry.NATIVE
+    assert "use_flash_attention" in kernels.choices["attention"].reason
+
+
+def test_float64_falls_back_with_reason():
+    kernels = registry.resolve(SelectionContext(CUDA, torch.float64, flags={"use_flash_attention": True}))
+    for op in list(TRITON_OPS) + ["attention"]:
+        choice = kernels.choices[op]
+        assert choice.implementation.name == registry.NATIVE
+        assert "dtype float64 unsupported" in choice.reason, choice.reason
+
+
+def test_probe_values():
+    impls = _cuda_impls()
+    ok = SelectionContext(CUDA, torch.bfloat16)
+    for impl in impls.values():
+        assert impl.probe(ok) is None, impl.name
+        assert impl.probe(SelectionContext(CUDA, torch.float64)) == "dtype float64 unsupported"
+        assert "needs device cuda" in impl.probe(SelectionContext(torch.device("cpu"), torch.float32))
+
+
+def test_cpu_and_hpu_contexts_never_pick_cuda():
+    for device in ("cpu", "hpu"):
+        kernels = registry.resolve(
+            SelectionContext(torch.device(device), torch.bfloat16, flags={"use_flash_attention": True})
+        )
+        for choice in kernels.choices.values():
+            assert choice.implementation.backend != "cuda"
+
+
+def test_triton_missing_falls_back(monkeypatch):
+    monkeypatch.setattr(cuda_register, "triton_unusable", lambda: "triton not importable (ImportError: test)")
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, flags={"use_flash_attention": True}))
+    for op in TRITON_OPS:
+        assert kernels.choices[op].implementation.name == registry.NATIVE
+        assert "triton not importable" in kernels.choices[op].reason
+    # SDPA attention does not need triton.
+    assert kernels.choices["attention"].implementation.name == "sdpa_flash"
+
+
+def test_overrides():
+    ctx = SelectionContext(CUDA, torch.bfloat16, overrides="-rms_norm,+attention")
+    kernels = registry.resolve(ctx)
+    assert kernels.choices["rms_norm"].implementation.name == registry.NATIVE
+    assert kernels.choices["attention"].implementation.name == "triton_decode"
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, overrides="attention=sdpa_flash"))
+    assert kernels.choices["attention"].implementation.name == "sdpa_flash"
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, overrides="swiglu=triton"))
+    assert kernels.choices["swiglu"].implementation.name == "triton"
+
+
+def test_import_does_not_load_triton_and_survives_without_it():
+    """``import polyfuse`` plus registry resolution work when triton cannot be imported."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, polyfuse\n"
+        "from polyfuse.backends import registry\n"
+        "registry.ops()\n"
+        "assert 'triton' not in sys.modules\n"
+        "k = registry.resolve(registry.SelectionContext(torch.device('cuda'), torch.bfloat16))\n"
+        "print(k.choices['rms_norm'].implementation.name, '|', k.choices['rms_norm'].reason)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    name, reason = res.stdout.strip().splitlines()[-1].split(" | ")
+    assert name != "triton" and "triton not importable" in reason

@@ -1,0 +1,499 @@
+"""Every registered implementation of every op against the op's native reference.
+
+Runs on CPU (Triton kernels through TRITON_INTERPRET=1, set by conftest when there is no GPU; small shapes) and on
+CUDA (``-m cuda``; larger shapes). HPU implementations are tested elsewhere with a test double.
+
+Tolerances (outputs compared with the native reference run in the same dtype; a is ours, b the reference):
+  elementwise  |a - b| <= atol + rtol * |b|   and   ||a - b|| / ||b|| <= rel_norm
+  float32   atol 1e-5, rtol 1e-4, rel_norm 1e-5 (grads: 1e-4, 1e-3, 1e-4)
+  bfloat16  atol 2e-2, rtol 1.6e-2 (two bf16 ulps), rel_norm 8e-3 (grads: 5e-2, 3.2e-2, 1.6e-2)
+  float16   atol 2e-3, rtol 2e-3, rel_norm 1e-3 (grads: 5e-3, 4e-3, 2e-3)
+The fused kernels round once where the native bf16 path rounds after every op, so they differ by about an ulp.
+"""
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from polyfuse.backends import registry
+from polyfuse.ops.attention import AttentionMeta
+
+
+HAS_CUDA = torch.cuda.is_available()
+
+TOL = {
+    torch.float32: (1e-5, 1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 1.6e-2, 8e-3),
+    torch.float16: (2e-3, 2e-3, 1e-3),
+}
+GRAD_TOL = {
+    torch.float32: (1e-4, 1e-3, 1e-4),
+    torch.bfloat16: (5e-2, 3.2e-2, 1.6e-2),
+    torch.float16: (5e-3, 4e-3, 2e-3),
+}
+# (op, dtype) whose native reference is run on float32 copies of the inputs (results cast back): the native fp16
+# cross-entropy scales d logits by 1 / n_valid before casting them to fp16, where they underflow into subnormals
+# (rel. error ~5%); the fused kernel scales after the matmuls and is closer to the float32 result.
+REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays float32
+    ("linear_cross_entropy", torch.float16)
+}
+# Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
+LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0}
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (torch.float32, torch.bfloat16, torch.float16)]
+
+
+def _rand(gen, shape, dtype, device, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype).to(device)
+
+
+# ---- cases: op -> builder(device, dtype, big) -> list of (id, make) where make() -> (args, kwargs, leaves) -------
+
+
+def _norm_shapes(big):
+    return [(64, 4096), (3, 17, 8192), (5, 129)] if big else [(3, 7), (2, 5, 129), (4, 576)]
+
+
+def _cases_rms_norm(device, dtype, big):
+    out = []
+    for shape in _norm_shapes(big):
+        gen = torch.Generator().manual_seed(hash(shape) % 2**31)
+        x0 = _rand(gen, shape, dtype, device, 2.0)
+        w0 = _rand(gen, shape[-1:], dtype, device) + 1
+
+        def make(x0=x0, w0=w0):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            return (x, w, 1e-6), {}, [x, w]
+
+        out.append((f"x{list(shape)}", make))
+    return out
+
+
+def _cases_add_rms_norm(device, dtype, big):
+    out = []
+    for shape in _norm_shapes(big):
+        gen = torch.Generator().manual_seed(hash(shape) % 2**31 + 1)
+        x0, r0 = _rand(gen, shape, dtype, device), _rand(gen, shape, dtype, device, 3.0)
+        w0 = _rand(gen, shape[-1:], dtype, device) + 1
+
+        def make(x0=x0, r0=r0, w0=w0):
+            x, r, w = (t.clone().requires_grad_() for t in (x0, r0, w0))
+            return (x, r, w, 1e-5), {}, [x, r, w]
+
+        out.append((f"x{list(shape)}", make))
+    return out
+
+
+def _cos_sin(gen, b, length, d, device):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    pos = torch.randint(0, 4096, (b, length), generator=gen).float()
+    freqs = pos[..., None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def _cases_rotary(device, dtype, big):
+    # (B, Hq, Hkv, L, D, fused): fused -> q/k are strided views of one [B, L, (Hq + 2 Hkv) * D] QKV projection.
+    shapes = (
+        [(2, 32, 8, 129, 128, True), (4, 32, 8, 1, 128, True), (1, 12, 12, 77, 64, False)]
+        if big
+        else [(1, 4, 2, 3, 8, False), (2, 3, 1, 5, 16, True), (2, 4, 4, 1, 64, True), (1, 2, 1, 3, 6, False)]
+    )
+    out = []
+    for b, hq, hkv, length, d, fused in shapes:
+        gen = torch.Generator().manual_seed(b * 1000 + hq * 100 + length * 10 + d)
+        cos, sin = _cos_sin(gen, b, length, d, device)
+        if fused:
+            qkv0 = _rand(gen, (b, length, (hq + 2 * hkv) * d), dtype, device)
+
+            def make(qkv0=qkv0, b=b, hq=hq, hkv=hkv, length=length, d=d, cos=cos, sin=sin):
+                qkv = qkv0.clone().requires_grad_()
+                q = qkv[..., : hq * d].view(b, length, hq, d).transpose(1, 2)
+                k = qkv[..., hq * d : (hq + hkv) * d].view(b, length, hkv, d).transpose(1, 2)
+                return (q, k, cos, sin), {}, [qkv]
+
+        else:
+            q0, k0 = _rand(gen, (b, hq, length, d), dtype, device), _rand(gen, (b, hkv, length, d), dtype, device)
+
+            def make(q0=q0, k0=k0, cos=cos, sin=sin):
+                q, k = q0.clone().requires_grad_(), k0.clone().requires_grad_()
+                return (q, k, cos, sin), {}, [q, k]
+
+        out.append((f"B{b}Hq{hq}Hkv{hkv}L{length}D{d}{'fused' if fused else ''}", make))
+    return out
+
+
+def _cases_swiglu(device, dtype, big):
+    # (leading dims, I, fused): fused -> gate/up are the two halves of one [.., 2I] projection (strided rows).
+    shapes = (
+        [((4, 100), 11008, True), ((7,), 14336, False)]
+        if big
+        else [((3,), 7, False), ((2, 3), 129, True), ((5,), 576, True)]
+    )
+    out = []
+    for lead, i, fused in shapes:
+        gen = torch.Generator().manual_seed(i)
+        if fused:
+            gu0 = _rand(gen, (*lead, 2 * i), dtype, device, 2.0)
+
+            def make(gu0=gu0, i=i):
+                gu = gu0.clone().requires_grad_()
+                return (gu[..., :i], gu[..., i:]), {}, [gu]
+
+        else:
+            g0, u0 = _rand(gen, (*lead, i), dtype, device, 2.0), _rand(gen, (*lead, i), dtype, device)
+
+            def make(g0=g0, u0=u0):
+                g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+                return (g, u), {}, [g, u]
+
+        out.append((f"{list(lead)}x{i}{'fused' if fused else ''}", make))
+    return out
+
+
+def _cases_linear_cross_entropy(device, dtype, big):
+    shapes = [(1000, 512, 32000), (77, 1024, 4099)] if big else [(7, 16, 33), (13, 8, 129)]
+    out = []
+    for n, h, v in shapes:
+        gen = torch.Generator().manual_seed(n + h + v)
+        h0 = _rand(gen, (n, h), dtype, device)
+        w0 = _rand(gen, (v, h), dtype, device, 1.0 / math.sqrt(h))
+        labels = torch.randint(0, v, (n,), generator=gen)
+        labels[:: max(2, n // 3)] = -100
+        labels = labels.to(device)
+        for reduction in ("mean", "sum"):
+
+            def make(h0=h0, w0=w0, labels=labels, reduction=reduction):
+                hid, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+                return (hid, w, labels), {"ignore_index": -100, "reduction": reduction}, [hid, w]
+
+            out.append((f"N{n}H{h}V{v}-{reduction}", make))
+    return out
+
+
+def _pad_mask(lengths, lq, lk, dtype, device, causal):
+    """Additive [B, 1, Lq, Lk] mask for left padding (lengths real tokens at the end of each row)."""
+    b = len(lengths)
+    keep = torch.zeros(b, 1, lq, lk, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        keep[i, :, :, lk - n :] = True
+    if causal:
+        q_pos = torch.arange(lk - lq, lk)[:, None]
+        keep &= torch.arange(lk)[None, :] <= q_pos
+        # Padding queries would have no key at all; let them see themselves, so every row is well defined
+        # (fully masked rows are garbage in every implementation, and their gradients differ).
+        keep |= torch.arange(lk)[None, :] == q_pos
+    mask = torch.zeros(b, 1, lq, lk, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    return mask.to(device)
+
+
+def _cases_attention(device, dtype, big):
+    # (B, Hq, Hkv, Lq, Lk, D, kind) kind: causal (no mask), masked (left padding), decode (Lq=1, mask), full
+    shapes = (
+        [
+            (2, 32, 8, 257, 257, 128, "causal"),
+            (3, 32, 8, 100, 100, 128, "masked"),
+            (4, 32, 8, 1, 1000, 128, "decode"),
+            (2, 16, 16, 1, 300, 64, "decode"),
+        ]
+        if big
+        else [
+            (2, 4, 2, 5, 5, 16, "causal"),
+            (1, 4, 4, 3, 7, 8, "causal"),
+            (2, 4, 1, 6, 6, 16, "masked"),
+            (2, 8, 2, 1, 9, 16, "decode"),
+            (1, 4, 1, 1, 150, 24, "decode"),
+            (1, 2, 2, 4, 4, 8, "full"),
+        ]
+    )
+    out = []
+    for b, hq, hkv, lq, lk, d, kind in shapes:
+        gen = torch.Generator().manual_seed(b + hq + lq * 7 + lk * 13 + d)
+        q0, k0, v0 = (_rand(gen, (b, h, length, d), dtype, device) for h, length in ((hq, lq), (hkv, lk), (hkv, lk)))
+        lengths = [lk - (i * 2) % lk for i in range(b)]
+        mask = None
+        if kind == "masked":
+            mask = _pad_mask(lengths, lq, lk, dtype, device, causal=True)
+        elif kind == "decode":
+            mask = _pad_mask(lengths, 1, lk, dtype, device, causal=False)
+        meta = AttentionMeta(
+            scale=d**-0.5,
+            mask=mask,
+            is_causal=kind == "causal",
+            decode=kind == "decode",
+            valid_lengths=torch.tensor(lengths, dtype=torch.int32, device=device),
+        )
+
+        def make(q0=q0, k0=k0, v0=v0, meta=meta):
+            q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+            return (q, k, v, meta), {}, [q, k, v]
+
+        out.append((f"{kind}-B{b}Hq{hq}Hkv{hkv}Lq{lq}Lk{lk}D{d}", make))
+    return out
+
+
+def _cases_rotary_kv_write(device, dtype, big):
+    # (B, Hq, Hkv, L, D, cache length, first position): q/k/v are views of one fused QKV projection, as in the model.
+    shapes = [(2, 32, 8, 1, 128, 300, 211), (2, 8, 8, 17, 64, 40, 3)] if big else [(2, 6, 2, 3, 16, 10, 4)]
+    out = []
+    for b, hq, hkv, length, d, s_len, p0 in shapes:
+        gen = torch.Generator().manual_seed(b + hq + length + d)
+        cos, sin = _cos_sin(gen, b, length, d, device)
+        qkv0 = _rand(gen, (b, length, (hq + 2 * hkv) * d), dtype, device)
+        pos = torch.arange(p0, p0 + length, device=device)
+
+        def make(qkv0=qkv0, b=b, hq=hq, hkv=hkv, length=length, d=d, cos=cos, sin=sin, pos=pos, s_len=s_len):
+            qkv = qkv0.clone()
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = (t.view(b, length, -1, d).transpose(1, 2) for t in (q, k, v))
+            kc = torch.full((b, hkv, s_len, d), float("nan"), dtype=dtype, device=device)
+            return (q, k, v, cos, sin, kc, kc.clone(), pos), {}, []
+
+        out.append((f"B{b}Hq{hq}Hkv{hkv}L{length}D{d}S{s_len}", make))
+    return out
+
+
+# Ops with side effects: what to compare besides the return value (the written cache slots, and that the rest of
+# each cache is untouched, still NaN).
+SIDE_OUTPUTS = {
+    "rotary_kv_write": lambda args: (
+        args[5].index_select(2, args[7]),
+        args[6].index_select(2, args[7]),
+        torch.isnan(args[5]).sum(-1).to(args[5].dtype),
+    ),
+}
+
+
+CASES = {
+    "rotary_kv_write": _cases_rotary_kv_write,
+    "rms_norm": _cases_rms_norm,
+    "add_rms_norm": _cases_add_rms_norm,
+    "rotary": _cases_rotary,
+    "swiglu": _cases_swiglu,
+    "linear_cross_entropy": _cases_linear_cross_entropy,
+    "attention": _cases_attention,
+}
+
+
+def _impl_params():
+    params = []
+    for op in registry.ops():
+        for impl in registry.implementations(op):
+            if impl.devices == ("hpu",):
+                continue  # tested with a test double elsewhere
+            params.append(pytest.param(op, impl.name, id=f"{op}:{impl.name}"))
+    return params
+
+
+def test_every_op_has_cases():
+    assert set(registry.ops()) <= set(CASES), "add conformance cases for new ops"
+
+
+# ---- comparison ---------------------------------------------------------------------------------------------------
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def assert_close(actual, expected, tol, what, loosen=1.0):
+    atol, rtol, rel_norm = (t * loosen for t in tol)
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a, b = actual.detach().double().cpu(), expected.detach().double().cpu()
+    assert torch.isfinite(a).all() == torch.isfinite(b).all(), f"{what}: non-finite values differ"
+    err = (a - b).abs()
+    max_abs = err.max().item() if err.numel() else 0.0
+    bad = err > atol + rtol * b.abs()
+    norm = (a - b).norm().item() / max(b.norm().item(), 1e-30)
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements off, max abs err {max_abs:.3g} (atol {atol}, rtol {rtol})"
+    )
+    assert norm <= rel_norm, f"{what}: relative norm err {norm:.3g} > {rel_norm} (max abs {max_abs:.3g})"
+
+
+class Poison:
+    """Fills every torch.empty / empty_like / new_empty float buffer with NaN while active, so a kernel that leaves
+    part of a preallocated output unwritten fails the comparison."""
+
+    def __init__(self, monkeypatch):
+        for name in ("empty", "empty_like"):
+            real = getattr(torch, name)
+
+            def poisoned(*args, _real=real, **kwargs):
+                t = _real(*args, **kwargs)
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+                return t
+
+            monkeypatch.setattr(torch, name, poisoned)
+
+
+def _cotangents(outs, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device) for o in outs]
+
+
+def _upcast(make):
+    def make32():
+        args, kwargs, leaves = make()
+        new = {id(t): t.detach().float().requires_grad_(t.requires_grad) for t in leaves}
+        args = tuple(new.get(id(a), a) for a in args)
+        return args, kwargs, [new[id(t)] for t in leaves]
+
+    return make32
+
+
+def _run(fn, make, backward, cast_to=None, side=None):
+    args, kwargs, leaves = make()
+    backward = backward and bool(leaves)
+    with torch.set_grad_enabled(backward):
+        outs = _as_tuple(fn(*args, **kwargs))
+    if side is not None:
+        outs = outs + tuple(side(args))
+    grads = None
+    if backward:
+        cts = _cotangents(outs, 1234)
+        grads = torch.autograd.grad(outs, leaves, cts, allow_unused=True)
+    if cast_to is not None:
+        grads = grads and tuple(g.to(cast_to) if g is not None else None for g in grads)
+    return outs, grads
+
+
+def _check_impl(op, impl_name, device, dtype, monkeypatch):
+    if device == "cpu" and op == "attention" and dtype == torch.float16:
+        pytest.skip("CPU SDPA/matmul in float16 is too slow/unsupported to be meaningful")
+    spec = registry.ops()[op]
+    impl = next(i for i in registry.implementations(op) if i.name == impl_name)
+    loosen = LOOSEN.get(op, 1.0) if dtype != torch.float32 else 1.0
+    big = device == "cuda"
+    side = SIDE_OUTPUTS.get(op)
+    for case_id, make in CASES[op](device, dtype, big):
+        if (op, dtype) in REF_IN_FLOAT32 and impl.name != registry.NATIVE:
+            ref_outs, ref_grads = _run(spec.native, _upcast(make), impl.supports_backward, dtype, side)
+        else:
+            ref_outs, ref_grads = _run(spec.native, make, impl.supports_backward, side=side)
+        with monkeypatch.context() as m:
+            if impl.name != registry.NATIVE:
+                Poison(m)
+            outs, grads = _run(impl.fn, make, impl.supports_backward, side=side)
+        assert len(outs) == len(ref_outs), f"{case_id}: {len(outs)} outputs, reference has {len(ref_outs)}"
+        for i, (o, r) in enumerate(zip(outs, ref_outs)):
+            assert o.device == r.device
+            assert_close(o, r, TOL[dtype], f"{op}:{impl_name} {case_id} output {i}", loosen)
+        if impl.supports_backward and grads is not None:
+            for i, (g, rg) in enumerate(zip(grads, ref_grads)):
+                assert (g is None) == (rg is None), f"{case_id}: gradient {i} presence differs"
+                if g is not None:
+                    assert_close(g, rg, GRAD_TOL[dtype], f"{op}:{impl_name} {case_id} grad {i}", loosen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op,impl_name", _impl_params())
+def test_conformance(op, impl_name, device, dtype, monkeypatch):
+    _check_impl(op, impl_name, device, dtype, monkeypatch)
+
+
+# ---- targeted tests -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_at_least_as_accurate_as_native_bf16(device):
+    from polyfuse.backends.cuda.rotary import rotary
+    from polyfuse.ops.rotary import rotary_native
+
+    b, hq, hkv, length, d = (2, 8, 2, 33, 128) if device == "cuda" else (1, 4, 2, 9, 64)
+    gen = torch.Generator().manual_seed(7)
+    q = _rand(gen, (b, hq, length, d), torch.bfloat16, device)
+    k = _rand(gen, (b, hkv, length, d), torch.bfloat16, device)
+    cos, sin = _cos_sin(gen, b, length, d, device)
+    ref_q, ref_k = rotary_native(q.double(), k.double(), cos.double(), sin.double())
+    nat_q, nat_k = rotary_native(q, k, cos, sin)
+    tri_q, tri_k = rotary(q, k, cos, sin)
+    for tri, nat, ref in ((tri_q, nat_q, ref_q), (tri_k, nat_k, ref_k)):
+        e_tri, e_nat = (tri.double() - ref).abs(), (nat.double() - ref).abs()
+        assert e_tri.max() <= e_nat.max(), (e_tri.max().item(), e_nat.max().item())
+        assert e_tri.mean() <= e_nat.mean(), (e_tri.mean().item(), e_nat.mean().item())
+
+
+def test_rotary_returns_new_tensors():
+    from polyfuse.backends.cuda.rotary import rotary
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = _rand(gen, (1, 2, 3, 8), torch.float32, "cpu"), _rand(gen, (1, 1, 3, 8), torch.float32, "cpu")
+    q0, k0 = q.clone(), k.clone()
+    cos, sin = _cos_sin(gen, 1, 3, 8, "cpu")
+    qo, ko = rotary(q, k, cos, sin)
+    assert qo.data_ptr() != q.data_ptr() and ko.data_ptr() != k.data_ptr()
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+class _MaxNumel(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_chunk_rows_keeps_logits_chunk_near_hidden_size():
+    from polyfuse.backends.cuda.linear_cross_entropy import chunk_rows
+
+    for n, h, v in ((8192, 4096, 128256), (16384, 2048, 32000), (3, 4096, 128256), (100, 64, 50), (1, 8, 8)):
+        c = chunk_rows(n, h, v)
+        assert 1 <= c <= n
+        if v > h:
+            assert c < n or n == 1, (n, h, v, c)
+            assert c * v <= 2 * n * h + v, (n, h, v, c)  # one chunk of logits ~ the size of hidden
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_never_holds_full_logits(device):
+    from polyfuse.backends.cuda.linear_cross_entropy import chunk_rows, linear_cross_entropy
+    from polyfuse.ops.linear_cross_entropy import linear_cross_entropy_native
+
+    n, h, v = (64, 8, 257) if device == "cpu" else (4096, 256, 32000)
+    gen = torch.Generator().manual_seed(11)
+    hid0 = _rand(gen, (n, h), torch.float32, device)
+    w0 = _rand(gen, (v, h), torch.float32, device, 0.3)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::5] = -100
+    labels = labels.to(device)
+    assert chunk_rows(n, h, v) < n
+    hid, w = hid0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with _MaxNumel() as mode:
+        loss = linear_cross_entropy(hid, w, labels)
+        loss.backward()
+    assert mode.max_numel < n * v, f"a tensor of {mode.max_numel} elements >= N*V = {n * v}"
+    hid_r, w_r = hid0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ref = linear_cross_entropy_native(hid_r, w_r, labels)
+    ref.backward()
+    assert_close(loss, ref, TOL[torch.float32], "loss")
+    assert_close(hid.grad, hid_r.grad, GRAD_TOL[torch.float32], "grad hidden")
+    assert_close(w.grad, w_r.grad, GRAD_TOL[torch.float32], "grad weight")
+
+
+def test_linear_cross_entropy_explicit_chunks_and_grad_output():
+    from polyfuse.backends.cuda.linear_cross_entropy import linear_cross_entropy
+    from polyfuse.ops.linear_cross_entropy import linear_cross_entropy_native
+
+    gen = torch.Generator().manual_seed(5)
+    hid0, w0 = _rand(gen, (10, 12), torch.float32, "cpu"), _rand(gen, (37, 12), torch.float32, "cpu")
+    labels = torch.randint(0, 37, (10,), generator=gen)
+    labels[2] = -1
+    for chunk in (1, 3, 10):
+        hid, w = hid0.clone().requires_grad_(), w0.clone().requires_grad_()
+        (linear_cross_entropy(hid, w, labels, ignore_index=-1, reduction="sum", chunk=chunk) * 0.5).backward()
+        hid_r, w_r = hid0.clone().requires_grad_(), w0.clone().requires_grad_()
+        (linear_cross_entropy_native(hid_r, w_r, labels, ignore_index=-1, reduction="sum") * 0.5).backward()
+        assert_close(hid.grad, hid_r.grad, GRAD_TOL[torch.float32], f"grad hidden chunk={chunk}")
+        assert_close(w.grad, w_r.grad, GRAD_TOL[torch.float32], f"grad weight chunk={chunk}")
