@@ -161,8 +161,9 @@ def select(op: str, ctx: SelectionContext, overrides: Optional[dict] = None) -> 
         why = impl.unusable_reason(ctx)
         if why is None:
             reason = "best usable for " + ctx.device.type
-            if skipped:
-                reason += f" (skipped {', '.join(n for n, _ in skipped)})"
+            passed_over = [n for n, w in skipped if not w.startswith("needs device")]
+            if passed_over:
+                reason += f" (skipped {', '.join(passed_over)})"
             return Choice(op, impl, reason, skipped)
         if "*" in impl.devices or ctx.device.type in impl.devices:
             # Only implementations meant for this device are worth a log line.
@@ -184,6 +185,11 @@ class Kernels:
         self.context = ctx
         for name, choice in choices.items():
             setattr(self, name, choice.implementation.fn)
+        self._fused = {n for n, c in choices.items() if c.implementation.name != NATIVE}
+
+    def fused(self, op: str) -> bool:
+        """True when ``op`` got an implementation other than its native reference."""
+        return op in self._fused
 
     def report(self) -> str:
         width = max(len(n) for n in self.choices)

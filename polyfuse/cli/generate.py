@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (UsageError, CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
         print("error: out of GPU memory; lower --batch_size or --max_new_tokens", file=sys.stderr)

@@ -16,6 +16,10 @@ class CheckpointError(ValueError):
 LLAMA_MODEL_TYPES = ("llama",)
 
 
+def one_line(e) -> str:
+    return " ".join(str(e).split())
+
+
 def config_from_folder(path: str) -> LlamaConfig:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -25,6 +29,8 @@ def config_from_folder(path: str) -> LlamaConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object")
     model_type = raw.get("model_type")
     archs = raw.get("architectures") or []
     if model_type not in LLAMA_MODEL_TYPES:
@@ -34,7 +40,7 @@ def config_from_folder(path: str) -> LlamaConfig:
     try:
         return LlamaConfig.from_dict(raw)
     except Exception as e:  # transformers validates rope parameters and sizes
-        raise CheckpointError(f"{cfg_path}: invalid Llama config ({e})") from None
+        raise CheckpointError(f"{cfg_path}: invalid Llama config ({one_line(e)})") from None
 
 
 def config_from_gguf(reader, path: str) -> LlamaConfig:
@@ -49,8 +55,15 @@ def config_from_gguf(reader, path: str) -> LlamaConfig:
     if arch != "llama":
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported; polyfuse runs Llama models")
     p = "llama."
-    n_heads = int(field(p + "attention.head_count"))
-    hidden = int(field(p + "embedding_length"))
+
+    def required(key):
+        value = field(p + key)
+        if value is None:
+            raise CheckpointError(f"{path}: GGUF metadata lacks {p + key}")
+        return int(value)
+
+    n_heads = required("attention.head_count")
+    hidden = required("embedding_length")
     vocab = field(p + "vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -68,8 +81,8 @@ def config_from_gguf(reader, path: str) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(field(p + "feed_forward_length")),
-        num_hidden_layers=int(field(p + "block_count")),
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
         num_attention_heads=n_heads,
         num_key_value_heads=int(field(p + "attention.head_count_kv", n_heads)),
         head_dim=head_dim,

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from polyfuse.models.llama.config import CheckpointError
+from polyfuse.models.llama.config import CheckpointError, one_line
 
 
 def iter_safetensors(path: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
@@ -34,7 +34,7 @@ def iter_safetensors(path: str, device: str = "cpu") -> Iterator[tuple[str, torc
                 for key in f.keys():
                     yield key, f.get_tensor(key)
         except SafetensorError as e:
-            raise CheckpointError(f"{file}: corrupt safetensors file ({e})") from None
+            raise CheckpointError(f"{file}: corrupt safetensors file ({one_line(e)})") from None
 
 
 _GGUF_NAMES = {
@@ -77,7 +77,7 @@ def open_gguf(file: str):
     try:
         return gguf.GGUFReader(file)
     except Exception as e:
-        raise CheckpointError(f"{file}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{file}: not a readable GGUF file ({type(e).__name__}: {one_line(e)})") from None
 
 
 def iter_gguf(reader, config) -> Iterator[tuple[str, torch.Tensor]]:

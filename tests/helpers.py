@@ -1,0 +1,145 @@
+"""Shared helpers for the foundation tests: tiny Llama configs, weight perturbation, HF loading, comparisons."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import transformers
+
+
+PAD, BOS, EOS = 0, 1, 7
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for the module: these models are tiny and the machine's two cores are shared, where a
+    second thread makes small matmuls many times slower. Restored afterwards. (Autouse in every module importing it.)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_config(**overrides) -> transformers.LlamaConfig:
+    """A two-layer Llama small enough to build and run in milliseconds on the CPU."""
+    kw = {
+        "vocab_size": 301,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 128,
+        "initializer_range": 0.05,
+        "rms_norm_eps": 1e-5,
+        "pad_token_id": PAD,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "tie_word_embeddings": False,
+    }
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
+@torch.no_grad()
+def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Norm weights away from 1 and biases away from 0, so that neither can be silently skipped by a loader."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def hf_from_pretrained(path: str, **kw) -> transformers.LlamaForCausalLM:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", **kw
+    )
+    return model.eval()
+
+
+def hf_random(config: transformers.LlamaConfig, seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.set_attn_implementation("eager")
+    return perturb_(model, seed).eval()
+
+
+def left_padded(rows: list[list[int]], pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (input_ids, attention_mask), left-padded to the longest row."""
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r) :] = torch.tensor(r)
+        mask[i, n - len(r) :] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids for a left-padded batch, as transformers' generate computes them."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def random_rows(lengths, vocab: int, seed: int = 0, low: int = 10) -> list[list[int]]:
+    """Random prompts avoiding the special ids (pad/bos/eos are all < 10)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def logits_diff(ours, hf, ids: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Max |ours - hf| over the real (unpadded) positions."""
+    kw = {}
+    if mask is not None:
+        kw = {"attention_mask": mask, "position_ids": positions(mask)}
+    a = ours(ids, **kw).logits
+    b = hf(ids, **kw).logits
+    assert a.shape == b.shape, (a.shape, b.shape)
+    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+    return (a - b)[keep].abs().max().item()
+
+
+def assert_same_generation(ours: torch.Tensor, theirs: torch.Tensor, prompt_len: int, eos, pad: int) -> None:
+    """Token-identical up to the shorter output; EOS handling consistent (after a row's EOS only pads follow, and a
+    shorter output means every row of it finished)."""
+    eos = {eos} if isinstance(eos, int) else set(eos)
+    n = min(ours.shape[1], theirs.shape[1])
+    assert n > prompt_len
+    assert torch.equal(ours[:, :n], theirs[:, :n]), f"first mismatch:\nours  {ours[:, :n]}\ntheirs {theirs[:, :n]}"
+    for out in (ours, theirs):
+        for row in out[:, prompt_len:].tolist():
+            hits = [i for i, t in enumerate(row) if t in eos]
+            if hits:
+                assert all(t == pad for t in row[hits[0] + 1 :]), f"tokens after EOS in {row}"
+    for short, long_ in ((ours, theirs), (theirs, ours)):
+        if short.shape[1] < long_.shape[1]:
+            for row in short[:, prompt_len:].tolist():
+                assert eos & set(row), f"output stopped early without EOS in every row: {row}"
+
+
+def write_tiny_cli_model(path: str, tokenizer, max_position_embeddings: int = 32, seed: int = 0) -> str:
+    """A random two-layer Llama folder with a real tokenizer, for fast end-to-end CLI runs."""
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM.from_config(cfg, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    return path

@@ -1,0 +1,293 @@
+"""The op registry: selection by priority and probes, fallbacks and their log line, training mode, enable flags,
+overrides (argument and POLYFUSE_OPS), the report, and resolution happening once per model build.
+
+Tests use the real ops and register extra fake implementations with unique names on a test-only device type
+("fakedev"); ``_IMPLS`` is replaced by a copy for each test, so nothing registered here outlives the test."""
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
+
+from polyfuse.backends import registry
+from polyfuse.backends.registry import Implementation, SelectionContext
+from polyfuse.models.llama import LlamaForCausalLM
+from polyfuse.ops.attention import attention_native
+
+
+FAKEDEV = SimpleNamespace(type="fakedev")  # selection only reads ctx.device.type
+
+
+@pytest.fixture(autouse=True)
+def isolated_registry(monkeypatch):
+    registry._load_backends()
+    monkeypatch.setattr(registry, "_IMPLS", {op: list(impls) for op, impls in registry._IMPLS.items()})
+    monkeypatch.delenv(registry.ENV_OVERRIDES, raising=False)
+
+
+def fake(op="rms_norm", name="fake_a", priority=200, probe=None, backward=False, devices=("fakedev",), fn=None):
+    impl = Implementation(
+        op,
+        name,
+        "fakebackend",
+        devices,
+        fn or (lambda *a: None),
+        priority=priority,
+        probe=probe,
+        supports_backward=backward,
+    )
+    return registry.register(impl)
+
+
+def ctx(**kw):
+    return SelectionContext(device=kw.pop("device", FAKEDEV), **kw)
+
+
+def warnings_of(caplog):
+    return [r for r in caplog.records if r.name == "polyfuse" and r.levelno >= logging.WARNING]
+
+
+def test_every_declared_op_has_a_native_reference():
+    ops = registry.ops()
+    assert {"rms_norm", "add_rms_norm", "attention", "rotary", "swiglu", "linear_cross_entropy"} <= set(ops)
+    for op in ops:
+        impls = registry.implementations(op)
+        assert impls[-1].name == registry.NATIVE and impls[-1].devices == ("*",)
+    with pytest.raises(KeyError, match="unknown op"):
+        registry.implementations("no_such_op")
+
+
+def test_highest_priority_usable_implementation_wins():
+    fake(name="fake_low", priority=200)
+    fake(name="fake_high", priority=300)
+    fake(name="fake_other_device", priority=999, devices=("otherdev",))
+    choice = registry.select("rms_norm", ctx())
+    assert choice.implementation.name == "fake_high"
+    assert choice.reason.startswith("best usable for fakedev")  # exact text: test_reason_names_only_skips_...
+    # Registration order does not matter, only priority.
+    assert [i.name for i in registry.implementations("rms_norm")][:3] == ["fake_other_device", "fake_high", "fake_low"]
+
+
+def test_reason_names_only_skips_meant_for_this_device():
+    """The cuda/hpu implementations (priority 100-110) outrank this low-priority fake but were never candidates on
+    fakedev; like the native-fallback reason and the log lines, the chosen reason should not list them."""
+    fake(name="fake_low_priority", priority=10)
+    choice = registry.select("rms_norm", ctx())
+    assert choice.implementation.name == "fake_low_priority"
+    assert choice.reason == "best usable for fakedev"
+
+
+def test_duplicate_and_undeclared_registrations_are_refused():
+    fake(name="fake_dup")
+    with pytest.raises(ValueError, match="registered twice"):
+        fake(name="fake_dup")
+    with pytest.raises(ValueError, match="not declared"):
+        fake(op="no_such_op", name="fake_x")
+
+
+def test_probe_rejection_falls_back_to_next_without_warning(caplog):
+    fake(name="fake_low", priority=200)
+    fake(name="fake_high", priority=300, probe=lambda c: "fakelib not importable")
+    with caplog.at_level(logging.INFO, logger="polyfuse"):
+        choice = registry.select("rms_norm", ctx())
+    assert choice.implementation.name == "fake_low"
+    assert ("fake_high", "fakelib not importable") in choice.skipped
+    assert "skipped fake_high" in choice.reason
+    assert not warnings_of(caplog)
+    assert any("fake_high unusable (fakelib not importable)" in r.getMessage() for r in caplog.records)
+
+
+def test_all_rejected_falls_back_to_native_with_one_warning(caplog):
+    fake(name="fake_low", priority=200, probe=lambda c: "dtype float64 unsupported")
+    fake(name="fake_high", priority=300, probe=lambda c: "fakelib not importable")
+    with caplog.at_level(logging.INFO, logger="polyfuse"):
+        choice = registry.select("rms_norm", ctx(dtype=torch.float64))
+    assert choice.implementation.name == registry.NATIVE
+    assert choice.reason == "fallback: fake_high: fakelib not importable; fake_low: dtype float64 unsupported"
+    warns = warnings_of(caplog)
+    assert len(warns) == 1
+    msg = warns[0].getMessage()
+    assert "rms_norm falls back to native" in msg and "fakelib not importable" in msg and "\n" not in msg
+
+
+def test_other_devices_implementations_are_neither_logged_nor_reasons(caplog):
+    # On a plain CPU run the cuda/hpu implementations do not apply: native is "reference", silently.
+    with caplog.at_level(logging.INFO, logger="polyfuse"):
+        kernels = registry.resolve(ctx(device=torch.device("cpu")))
+    assert not [r for r in caplog.records if r.name == "polyfuse"]
+    assert {c.implementation.name for c in kernels.choices.values()} == {registry.NATIVE}
+    assert kernels.choices["rms_norm"].reason == "reference"
+
+
+def test_training_skips_implementations_without_backward():
+    fake(name="fake_fwd_only", priority=300, backward=False)
+    fake(name="fake_with_bwd", priority=200, backward=True)
+    assert registry.select("rms_norm", ctx()).implementation.name == "fake_fwd_only"
+    choice = registry.select("rms_norm", ctx(training=True))
+    assert choice.implementation.name == "fake_with_bwd"
+    assert ("fake_fwd_only", "has no backward (training run)") in choice.skipped
+
+
+def test_training_without_any_backward_falls_back_to_native(caplog):
+    fake(name="fake_fwd_only", backward=False)
+    choice = registry.select("rms_norm", ctx(training=True))
+    assert choice.implementation.name == registry.NATIVE
+    assert "has no backward" in choice.reason
+    assert len(warnings_of(caplog)) == 1
+
+
+def test_enable_flag_gates_attention():
+    fake(op="attention", name="fake_flash")
+    off = registry.select("attention", ctx())
+    assert off.implementation.name == registry.NATIVE
+    assert off.reason == "--use_flash_attention not set"
+    on = registry.select("attention", ctx(flags={"use_flash_attention": True}))
+    assert on.implementation.name == "fake_flash"
+    forced = registry.resolve(ctx(overrides="+attention"))
+    assert forced.choices["attention"].implementation.name == "fake_flash"
+    # Ops without an enable flag are on by default.
+    fake(op="swiglu", name="fake_swiglu")
+    assert registry.select("swiglu", ctx()).implementation.name == "fake_swiglu"
+
+
+def test_minus_override_forces_native():
+    fake(name="fake_a")
+    choice = registry.resolve(ctx(overrides="-rms_norm")).choices["rms_norm"]
+    assert choice.implementation.name == registry.NATIVE
+    assert choice.reason == "forced native by override -rms_norm"
+    # Only the named op: the others keep their fused implementation.
+    fake(op="swiglu", name="fake_swiglu")
+    assert registry.resolve(ctx(overrides="-rms_norm")).choices["swiglu"].implementation.name == "fake_swiglu"
+
+
+def test_named_override_picks_by_name(caplog):
+    fake(name="fake_low", priority=200)
+    fake(name="fake_high", priority=300)
+    choice = registry.resolve(ctx(overrides="rms_norm=fake_low")).choices["rms_norm"]
+    assert choice.implementation.name == "fake_low"
+    assert choice.reason == "requested by override rms_norm=fake_low"
+    native = registry.resolve(ctx(overrides="rms_norm=native")).choices["rms_norm"]
+    assert native.implementation.name == registry.NATIVE
+    # A named implementation that cannot run here: one warning, then the normal order without it.
+    fake(name="fake_broken", priority=150, probe=lambda c: "fakelib too old")
+    choice = registry.resolve(ctx(overrides="rms_norm=fake_broken")).choices["rms_norm"]
+    assert choice.implementation.name == "fake_high"
+    assert ("fake_broken", "fakelib too old") in choice.skipped
+    warns = warnings_of(caplog)
+    assert len(warns) == 1 and "requested fake_broken is unusable (fakelib too old)" in warns[0].getMessage()
+
+
+def test_later_override_entries_win():
+    assert registry.parse_overrides(" +rms_norm , -rms_norm,attention = native,, ") == {
+        "rms_norm": "-",
+        "attention": "native",
+    }
+    assert registry.parse_overrides("") == {}
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("+no_such_op", r"unknown op 'no_such_op' \(known: add_rms_norm, attention,"),
+        ("no_such_op=native", "unknown op 'no_such_op'"),
+        ("rms_norm", r"bad op override 'rms_norm': use \+op, -op or op=implementation"),
+        ("rms_norm=no_such_impl", "op 'rms_norm' has no implementation 'no_such_impl' \\(registered: .*native"),
+    ],
+)
+def test_bad_overrides_raise_clear_value_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        registry.resolve(ctx(device=torch.device("cpu"), overrides=text))
+
+
+def test_env_overrides(monkeypatch):
+    fake(name="fake_a")
+    fake(op="swiglu", name="fake_swiglu")
+    monkeypatch.setenv(registry.ENV_OVERRIDES, "-rms_norm,-swiglu")
+    k = registry.resolve(ctx())
+    assert k.choices["rms_norm"].implementation.name == registry.NATIVE
+    assert k.choices["swiglu"].implementation.name == registry.NATIVE
+    # The run's own overrides win over the environment, op by op.
+    k = registry.resolve(ctx(overrides="rms_norm=fake_a"))
+    assert k.choices["rms_norm"].implementation.name == "fake_a"
+    assert k.choices["swiglu"].implementation.name == registry.NATIVE
+    monkeypatch.setenv(registry.ENV_OVERRIDES, "garbage")
+    with pytest.raises(ValueError, match="bad op override 'garbage'"):
+        registry.resolve(ctx())
+
+
+def test_report_lists_every_op_with_backend_name_and_reason():
+    fake(name="fake_a")
+    fake(op="swiglu", name="fake_swiglu", probe=lambda c: "fakelib missing")
+    k = registry.resolve(ctx(dtype=torch.bfloat16))
+    text = k.report()
+    lines = text.splitlines()
+    assert lines[0] == "polyfuse backends (device=fakedev, dtype=bfloat16):"
+    assert len(lines) == 1 + len(registry.ops())
+    for op in registry.ops():
+        line = next(line for line in lines[1:] if line.split()[0] == op)
+        c = k.choices[op]
+        assert f"{c.implementation.backend}:{c.implementation.name}" in line
+        assert line.rstrip().endswith(c.reason)
+    assert "fakebackend:fake_a" in text
+    assert "native:native" in text and "fallback: fake_swiglu: fakelib missing" in text
+    d = k.as_dict()
+    assert set(d) == set(registry.ops())
+    assert d["rms_norm"] == {"backend": "fakebackend", "implementation": "fake_a", "reason": "best usable for fakedev"}
+    assert d["attention"]["reason"] == "--use_flash_attention not set"
+
+
+# -- resolution once per model build ----------------------------------------------------------------------------
+
+
+def test_model_build_uses_flags_and_overrides():
+    """A fake CPU attention: native without --use_flash_attention, chosen (and called) with the flag or +attention."""
+    calls = []
+
+    def counting_attention(q, k, v, meta):
+        calls.append(q.shape)
+        return attention_native(q, k, v, meta)
+
+    fake(op="attention", name="fake_cpu_flash", devices=("cpu",), fn=counting_attention)
+    cfg = tiny_config(hidden_size=32, intermediate_size=64, vocab_size=64)
+    ids = torch.tensor([[11, 12, 13]])
+
+    plain = LlamaForCausalLM.from_config(cfg)
+    assert plain.kernels.choices["attention"].implementation.name == registry.NATIVE
+    plain(ids)
+    assert calls == []
+
+    for kw in ({"flags": {"use_flash_attention": True}}, {"overrides": "+attention"}):
+        model = LlamaForCausalLM.from_config(cfg, **kw)
+        assert model.kernels.choices["attention"].implementation.name == "fake_cpu_flash"
+        model(ids)
+        assert len(calls) == cfg.num_hidden_layers
+        calls.clear()
+    model = LlamaForCausalLM.from_config(cfg, flags={"use_flash_attention": True}, overrides="-attention")
+    assert model.kernels.choices["attention"].implementation.name == registry.NATIVE
+
+
+def test_resolution_happens_once_per_build(monkeypatch):
+    count = []
+    real_select = registry.select
+
+    def counting_select(*a, **kw):
+        count.append(a[0])
+        return real_select(*a, **kw)
+
+    monkeypatch.setattr(registry, "select", counting_select)
+    cfg = tiny_config(hidden_size=32, intermediate_size=64, vocab_size=64)
+    model = LlamaForCausalLM.from_config(cfg).eval()
+    assert sorted(count) == sorted(registry.ops())
+    count.clear()
+    kernels = model.kernels
+    ids = torch.tensor([[11, 12, 13, 14]])
+    with torch.no_grad():
+        model(ids)
+        model(ids, attention_mask=torch.tensor([[0, 1, 1, 1]]))
+    model.generate(ids, max_new_tokens=5, ignore_eos=True)
+    model.generate(ids, max_new_tokens=5, ignore_eos=True, use_cache=False)
+    model.generate(torch.cat([ids, ids]), max_new_tokens=3, ignore_eos=True, bucket_size=4)
+    assert count == []
+    assert model.kernels is kernels
