@@ -1,7 +1,16 @@
 """Op declarations: one file per op, each with its signature and its native PyTorch reference."""
 
-from polyfuse.ops import add_rms_norm, attention, linear_cross_entropy, rms_norm, rotary, swiglu
+from polyfuse.ops import add_rms_norm, attention, linear_cross_entropy, rms_norm, rotary, rotary_kv_write, swiglu
 from polyfuse.ops.attention import AttentionMeta
 
 
-__all__ = ["AttentionMeta", "add_rms_norm", "attention", "linear_cross_entropy", "rms_norm", "rotary", "swiglu"]
+__all__ = [
+    "AttentionMeta",
+    "add_rms_norm",
+    "attention",
+    "linear_cross_entropy",
+    "rms_norm",
+    "rotary",
+    "rotary_kv_write",
+    "swiglu",
+]

@@ -50,6 +50,12 @@ def probe_sdpa(ctx: SelectionContext) -> Optional[str]:
     return _device_reason(ctx) or _dtype_reason(ctx)
 
 
+def probe_triton_inference(ctx: SelectionContext) -> Optional[str]:
+    if ctx.training:
+        return "inference only"
+    return probe_triton(ctx)
+
+
 def probe_triton_decode(ctx: SelectionContext) -> Optional[str]:
     if ctx.training:
         return "decode kernel is inference only"
@@ -81,6 +87,7 @@ IMPLEMENTATIONS = [
     _impl("add_rms_norm", "triton", "add_rms_norm", "add_rms_norm", probe_triton),
     _impl("rotary", "triton", "rotary", "rotary", probe_triton),
     _impl("swiglu", "triton", "swiglu", "swiglu", probe_triton),
+    _impl("rotary_kv_write", "triton", "rotary_kv_write", "rotary_kv_write", probe_triton_inference, backward=False),
     _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy", probe_triton),
     _impl("attention", "sdpa_flash", "attention", "sdpa_attention", probe_sdpa),
     # Inference only (no backward): Lq == 1 runs the split-K kernel, other shapes go to SDPA inside the call

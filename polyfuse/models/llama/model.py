@@ -46,8 +46,14 @@ class Attention(nn.Module):
         q = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         key = key.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         val = val.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
-        q, key = k.rotary(q, key, cos, sin)
-        if cache is not None:
+        if cache is None:
+            q, key = k.rotary(q, key, cos, sin)
+        elif k.fused("rotary_kv_write"):
+            kc, vc = cache.k[self.layer_idx], cache.v[self.layer_idx]
+            q = k.rotary_kv_write(q, key, val, cos, sin, kc, vc, cache_position)
+            key, val = kc[:, :, :kv_len], vc[:, :, :kv_len]
+        else:  # unfused: the device's own rotary, then a plain cache write
+            q, key = k.rotary(q, key, cos, sin)
             key, val = cache.update(self.layer_idx, key, val, cache_position, kv_len)
         out = k.attention(q, key, val, meta)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.q_size))

@@ -29,6 +29,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope type {self.rope_type!r} is not supported (known: {sorted(ROPE_INIT_FUNCTIONS)})")
         self.original_max = config.max_position_embeddings
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
         self.attention_scaling = 1.0
         self.cached_len = self.original_max
 
@@ -42,6 +44,13 @@ class RotaryEmbedding(nn.Module):
             inv, scale = ROPE_INIT_FUNCTIONS[self.rope_type](self.config, device)
         self.inv_freq = inv.to(device=device, dtype=torch.float32)
         self.attention_scaling = scale
+        # cos/sin of every position, computed with the same fp32 ops as the per-forward formula (so bit-identical):
+        # a decode step then gathers two rows instead of launching a handful of elementwise kernels.
+        n = self.config.max_position_embeddings if seq_len is None else max(seq_len, self.original_max)
+        freqs = torch.arange(n, device=device, dtype=torch.int64).float()[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos_table = emb.cos() * scale
+        self.sin_table = emb.sin() * scale
 
     def update_length(self, seq_len: int) -> None:
         """Dynamic NTK scaling grows the base past the trained length, as transformers does per forward."""
@@ -52,7 +61,5 @@ class RotaryEmbedding(nn.Module):
             self.cached_len = max(seq_len, self.original_max)
 
     def forward(self, position_ids: torch.Tensor):
-        """position_ids [B, L] -> cos, sin [B, L, D] in fp32."""
-        freqs = position_ids[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        """position_ids [B, L] -> cos, sin [B, L, D] in fp32 (rows of the precomputed tables)."""
+        return self.cos_table[position_ids], self.sin_table[position_ids]
