@@ -165,6 +165,17 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
             hf.set_attn_implementation("sdpa")
 
 
+def profile_decode(model, device, new_tokens=16):
+    """GPU time per kernel over eager decode steps (same kernels as the graph, without its launch savings)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), device=device)
+    model.generate(ids, max_new_tokens=4, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
+
+
 def bench_load(model, device, out):
     import transformers
 
@@ -202,6 +213,7 @@ def main():
     p.add_argument("--attn_memory", action="store_true", help="batch 8 x 4096 prefill memory, flash vs eager vs SDPA")
     p.add_argument("--block70b", action="store_true", help="Llama-2-70B single block decode, tokens/s per block")
     p.add_argument("--load", action="store_true", help="load time from a local safetensors folder, 8B shape")
+    p.add_argument("--profile", action="store_true", help="print GPU time per kernel for eager batch-1 decode")
     p.add_argument("--output", default=None, help="append JSON lines here")
     args = p.parse_args()
 
@@ -243,6 +255,12 @@ def main():
             ),
             out,
         )
+        if args.profile and device.type == "cuda":
+            from polyfuse.models.llama.loading import set_kernels
+
+            set_kernels(model, {k: v for k, v in flags.items() if k != "use_cuda_graphs"}, args.ops)
+            profile_decode(model, device)
+            set_kernels(model, flags, args.ops)
         hf = hf_twin(model) if (peers and shape in args.peer_shapes.split(",")) or args.prefill else None
         batch_sizes = [1] if shape == "llama2-70b-block" else [int(b) for b in args.batch_sizes.split(",")]
         for bs in batch_sizes:

@@ -199,12 +199,12 @@ class Kernels:
             lines.append(f"  {name:<{width}}  {impl.backend}:{impl.name:<18} {c.reason}")
         return "\n".join(lines)
 
-    def compiled(self) -> "Kernels":
+    def compiled(self, backend: str = "inductor") -> "Kernels":
         """The same choices with every op function wrapped in torch.compile. Standalone functions, not module
         forwards bound to ``self``, so decoding does not recompile per layer or per token."""
         out = Kernels(self.choices, self.context)
         for name in self.choices:
-            setattr(out, name, torch.compile(getattr(self, name), dynamic=None))
+            setattr(out, name, torch.compile(getattr(self, name), backend=backend, dynamic=None))
         return out
 
     def as_dict(self) -> dict:

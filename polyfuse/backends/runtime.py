@@ -47,8 +47,12 @@ class DeviceRuntime:
 
             with open("/proc/self/statm") as f:
                 stats["memory_allocated (GB)"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / gb, 2)
-            stats["max_memory_allocated (GB)"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gb, 2)
-            stats["total_memory_available (GB)"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / gb, 2)
+            stats["max_memory_allocated (GB)"] = round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / gb, 2
+            )
+            stats["total_memory_available (GB)"] = round(
+                os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / gb, 2
+            )
         except (OSError, ValueError, ImportError):  # not Linux
             pass
         return stats

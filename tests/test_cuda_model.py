@@ -1,0 +1,132 @@
+"""The whole model on an NVIDIA GPU (make test-cuda): bf16 logits against transformers, CUDA-graph replay against
+eager, flag combinations, re-capture when the batch or cache leaves the captured shapes."""
+
+import pytest
+import torch
+import transformers
+
+from polyfuse.bench.measure import weight_bytes
+from polyfuse.models.llama import LlamaForCausalLM
+from polyfuse.models.llama.loading import set_kernels
+
+
+pytestmark = pytest.mark.cuda
+
+
+def _config(**kw):
+    base = dict(
+        vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+def _prompts(vocab, device):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (3, 21), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    mask[2, :13] = 0
+    ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """polyfuse model (all CUDA kernels) and transformers' model on the same bf16 weights."""
+    path = tmp_path_factory.mktemp("ckpt")
+    LlamaForCausalLM.from_config(_config(), dtype=torch.float32, seed=1).save_pretrained(str(path))
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    ours = LlamaForCausalLM.from_pretrained(
+        str(path), dtype=torch.bfloat16, device="cuda", flags={"use_flash_attention": True}
+    )
+    return ours.eval(), hf.eval(), str(path)
+
+
+def test_kernels_were_selected(pair):
+    ours, _, _ = pair
+    chosen = {k: v["implementation"] for k, v in ours.kernels.as_dict().items()}
+    assert chosen["rms_norm"] == "triton" and chosen["swiglu"] == "triton" and chosen["rotary_kv_write"] == "triton"
+    assert chosen["attention"] in ("triton_decode", "sdpa_flash")
+
+
+def test_bf16_logits_match_transformers(pair):
+    ours, hf, _ = pair
+    ids, mask = _prompts(1000, "cuda")
+    with torch.inference_mode():
+        a = ours(ids, attention_mask=mask).logits.float()
+        b = hf(ids, attention_mask=mask).logits.float()
+    keep = mask.bool()
+    a, b = a[keep], b[keep]
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    rel = ((a - b).norm() / b.norm()).item()
+    assert top1 >= 0.97, f"top-1 agreement {top1:.3f}"
+    assert rel <= 2e-2, f"relative logits error {rel:.4f} (bf16 tolerance 2e-2)"
+
+
+@pytest.mark.parametrize(
+    "flags,bucket",
+    [
+        ({}, -1),
+        ({"use_flash_attention": True}, -1),
+        ({"use_cuda_graphs": True}, -1),
+        ({"use_flash_attention": True, "use_cuda_graphs": True}, -1),
+        ({"use_flash_attention": True, "use_cuda_graphs": True}, 16),
+    ],
+    ids=["eager", "flash", "graphs", "flash+graphs", "flash+graphs+buckets"],
+)
+def test_flags_give_the_same_greedy_tokens(pair, flags, bucket):
+    ours, _, path = pair
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda", flags=flags)
+    ref = LlamaForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        device="cuda",
+        overrides="-rms_norm,-add_rms_norm,-rotary,-rotary_kv_write,-swiglu,-attention",
+    )
+    ids, mask = _prompts(1000, "cuda")
+    want = ref.generate(ids, mask, max_new_tokens=40, ignore_eos=True)
+    got = model.generate(ids, mask, max_new_tokens=40, ignore_eos=True, bucket_size=bucket)
+    again = model.generate(ids, mask, max_new_tokens=40, ignore_eos=True, bucket_size=bucket)  # graph replays
+    assert torch.equal(got, again)
+    agree = (got[:, 21:] == want[:, 21:]).float().mean().item()
+    assert agree >= 0.95, f"fp32 greedy tokens agree {agree:.3f} with the native reference"
+
+
+def test_graph_replay_matches_eager_exactly(pair):
+    _, _, path = pair
+    eager = LlamaForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device="cuda", flags={"use_flash_attention": True}
+    )
+    graphed = LlamaForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device="cuda", flags={"use_flash_attention": True, "use_cuda_graphs": True}
+    )
+    ids, mask = _prompts(1000, "cuda")
+    a = eager.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
+    b = graphed.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
+    assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
+    step = graphed._steppers[1]
+    assert len(step.graphs) == 1 and step.disabled_reason is None
+    # A new batch size is captured anew; a bigger cache reallocates and drops the old graphs.
+    graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
+    assert len(step.graphs) == 2
+    graphed.generate(ids[:1], mask[:1], max_new_tokens=200, ignore_eos=True)
+    assert len(step.graphs) == 1
+
+
+def test_weight_bytes_counts_tied_head_once():
+    model = LlamaForCausalLM.from_config(_config(tie_word_embeddings=True), dtype=torch.bfloat16, device="cuda")
+    total = sum(p.numel() * 2 for p in model.parameters())
+    assert weight_bytes(model) == total == weight_bytes(model, exclude_embedding=True)
+
+
+def test_torch_compile_flag_runs_on_gpu(pair):
+    _, _, path = pair
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags={"torch_compile": True})
+    ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    ids, mask = _prompts(1000, "cuda")
+    a = model.generate(ids, mask, max_new_tokens=16, ignore_eos=True)
+    b = ref.generate(ids, mask, max_new_tokens=16, ignore_eos=True)
+    assert (a == b).float().mean().item() >= 0.95
+    set_kernels(model, {})  # back to eager kernels
