@@ -91,16 +91,11 @@ def bench_hf(hf, mode, batch, prompt_len, new_tokens, device):
     from transformers import LogitsProcessorList
 
     ids = torch.randint(0, hf.config.vocab_size, (batch, prompt_len), device=device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    kw["attention_mask"] = torch.ones_like(ids)
     if mode == "static_compile":
+        # transformers compiles the decoding forward itself (reduce-overhead, fullgraph) for a static cache.
         kw["cache_implementation"] = "static"
-        if not hasattr(hf, "_polyfuse_compiled"):
-            hf._orig_forward = hf.forward
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-            hf._polyfuse_compiled = True
-    elif hasattr(hf, "_polyfuse_compiled"):
-        hf.forward = hf._orig_forward
-        del hf._polyfuse_compiled
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -307,9 +302,6 @@ def main():
                         ),
                         out,
                     )
-                if hasattr(hf, "_polyfuse_compiled"):
-                    hf.forward = hf._orig_forward
-                    del hf._polyfuse_compiled
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if shape == "llama2-70b-block" and hf is not None:

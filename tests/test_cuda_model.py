@@ -106,7 +106,7 @@ def test_graph_replay_matches_eager_exactly(pair):
     a = eager.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     b = graphed.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
-    step = graphed._steppers[1]
+    step = graphed._steppers[2]  # (kernels, prefill, decode)
     assert len(step.graphs) == 1 and step.disabled_reason is None
     # A new batch size is captured anew; a bigger cache reallocates and drops the old graphs.
     graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
@@ -126,7 +126,11 @@ def test_torch_compile_flag_runs_on_gpu(pair):
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags={"torch_compile": True})
     ref = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
     ids, mask = _prompts(1000, "cuda")
-    a = model.generate(ids, mask, max_new_tokens=16, ignore_eos=True)
-    b = ref.generate(ids, mask, max_new_tokens=16, ignore_eos=True)
-    assert (a == b).float().mean().item() >= 0.95
+    with torch.inference_mode():
+        a = model(ids, attention_mask=mask).logits.float()[mask.bool()]
+        b = ref(ids, attention_mask=mask).logits.float()[mask.bool()]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.97
+    assert ((a - b).norm() / b.norm()).item() <= 2e-2
+    out = model.generate(ids, mask, max_new_tokens=16, ignore_eos=True)  # compiled ops through a whole generation
+    assert out.shape == (3, 21 + 16)
     set_kernels(model, {})  # back to eager kernels
