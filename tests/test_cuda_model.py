@@ -108,11 +108,15 @@ def test_graph_replay_matches_eager_exactly(pair):
     assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
     step = graphed._steppers[2]  # (kernels, prefill, decode)
     assert len(step.graphs) == 1 and step.disabled_reason is None
-    # A new batch size is captured anew; a bigger cache reallocates and drops the old graphs.
-    graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
+    # Another batch size needs another cache: the old graphs (which point at the old cache) are dropped and the
+    # step is captured anew for the new shapes, giving the eager tokens again.
+    one = graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
+    (key,) = step.graphs
+    assert key[1][0] == 1, f"graph key {key} is not for batch 1"
+    assert torch.equal(one, eager.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True))
+    # The same cache with a longer bucket adds a graph rather than replacing one.
+    graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True, bucket_size=64)
     assert len(step.graphs) == 2
-    graphed.generate(ids[:1], mask[:1], max_new_tokens=200, ignore_eos=True)
-    assert len(step.graphs) == 1
 
 
 def test_weight_bytes_counts_tied_head_once():

@@ -454,11 +454,15 @@ def test_chunk_rows_keeps_logits_chunk_near_hidden_size():
         if v > h:
             assert c < n or n == 1, (n, h, v, c)
             assert c * v <= 2 * n * h + v, (n, h, v, c)  # one chunk of logits ~ the size of hidden
+    # On GPUs a floor keeps chunks large enough that the GEMMs are not memory-bound, still below N for long inputs.
+    assert chunk_rows(2048, 2048, 128256, 1024) == 1024
+    assert chunk_rows(16384, 4096, 128256, 1024) == 1024
+    assert chunk_rows(512, 2048, 128256, 1024) == 512
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_cross_entropy_never_holds_full_logits(device):
-    from polyfuse.backends.cuda.linear_cross_entropy import chunk_rows, linear_cross_entropy
+    from polyfuse.backends.cuda.linear_cross_entropy import MIN_CHUNK_ROWS, chunk_rows, linear_cross_entropy
     from polyfuse.ops.linear_cross_entropy import linear_cross_entropy_native
 
     n, h, v = (64, 8, 257) if device == "cpu" else (4096, 256, 32000)
@@ -468,7 +472,7 @@ def test_linear_cross_entropy_never_holds_full_logits(device):
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[::5] = -100
     labels = labels.to(device)
-    assert chunk_rows(n, h, v) < n
+    assert chunk_rows(n, h, v, MIN_CHUNK_ROWS if device == "cuda" else 1) < n
     hid, w = hid0.clone().requires_grad_(), w0.clone().requires_grad_()
     with _MaxNumel() as mode:
         loss = linear_cross_entropy(hid, w, labels)

@@ -32,6 +32,8 @@ class OpSpec:
     doc: str = ""
     # Flag of the run that turns the fused implementations of this op on (None: on by default).
     enable_flag: Optional[str] = None
+    # False for ops only used at inference (a training run gets the reference, without a fallback warning).
+    training: bool = True
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,8 @@ def select(op: str, ctx: SelectionContext, overrides: Optional[dict] = None) -> 
         skipped = [(want, why)]
     else:
         skipped = []
+    if ctx.training and not spec.training:
+        return Choice(op, native, "inference-only op, not used in training", skipped)
     if spec.enable_flag and want != "+" and not ctx.flag(spec.enable_flag):
         return Choice(op, native, f"--{spec.enable_flag} not set", skipped)
     for impl in impls:

@@ -23,5 +23,6 @@ SPEC = declare(
         "rotary_kv_write",
         "rotary_kv_write(q, k, v, cos, sin, k_cache[B,Hkv,S,D], v_cache, cache_position[L]) -> q_rot (caches written)",
         rotary_kv_write_native,
+        training=False,
     )
 )

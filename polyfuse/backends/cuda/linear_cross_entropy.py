@@ -46,12 +46,18 @@ def _ce_rows_kernel(LOGITS, stride_l, LABELS, LOSS, V, ignore_index, BLOCK: tl.c
         tl.store(ptr + cols, cast_rne(grad, LOGITS.dtype.element_ty), mask=mask)
 
 
-def chunk_rows(n: int, h: int, v: int) -> int:
-    """Rows per chunk: the chunk's logits (rows x V) hold about as many elements as hidden (N x H)."""
+def chunk_rows(n: int, h: int, v: int, min_rows: int = 1) -> int:
+    """Rows per chunk: the chunk's logits (rows x V) hold about as many elements as hidden (N x H), but at least
+    ``min_rows`` rows: every chunk re-reads W three times and adds a whole fp32 V x H update into grad_W, so
+    small chunks (64 rows for a 128k vocabulary over hidden 2048) made the loss memory-bound on a GPU. The forward
+    asks for ``MIN_CHUNK_ROWS`` on GPUs."""
     if n <= 0:
         return 1
     inc_factor = triton.cdiv(v, h)
-    return max(1, min(n, triton.next_power_of_2(triton.cdiv(n, inc_factor))))
+    return max(1, min(n, max(min_rows, triton.next_power_of_2(triton.cdiv(n, inc_factor)))))
+
+
+MIN_CHUNK_ROWS = 1024
 
 
 def _ce_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ignore_index: int) -> None:
@@ -77,7 +83,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty((n, h), dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros((v, h), dtype=torch.float32, device=weight.device) if need_w else None
-        chunk = chunk or chunk_rows(n, h, v)
+        chunk = chunk or chunk_rows(n, h, v, MIN_CHUNK_ROWS if hidden.is_cuda else 1)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             h_c = hid[start:end]

@@ -176,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         try:
             meta = self.make_meta(n, key_mask, torch.arange(n, device=input_ids.device), n, self.dtype)
             self.model.rotary_emb.update_length(n)
+            self.model.rotary_emb.ensure_length(n)
             h = self.hidden_states(input_ids, position_ids, meta)
         finally:
             self.cache = cache

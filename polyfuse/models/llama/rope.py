@@ -60,6 +60,14 @@ class RotaryEmbedding(nn.Module):
             self.init_frequencies(self.inv_freq.device, seq_len=max(seq_len, self.original_max))
             self.cached_len = max(seq_len, self.original_max)
 
+    def ensure_length(self, seq_len: int) -> None:
+        """Grow the cos/sin tables for sequences past the configured positions (training on longer data)."""
+        if seq_len > self.cos_table.shape[0]:
+            if self.rope_type == "dynamic":
+                self.update_length(seq_len)
+            else:
+                self.init_frequencies(self.inv_freq.device, seq_len=seq_len)
+
     def forward(self, position_ids: torch.Tensor):
         """position_ids [B, L] -> cos, sin [B, L, D] in fp32 (rows of the precomputed tables)."""
         return self.cos_table[position_ids], self.sin_table[position_ids]
