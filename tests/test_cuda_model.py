@@ -112,7 +112,7 @@ def test_graph_replay_matches_eager_exactly(pair):
     # step is captured anew for the new shapes, giving the eager tokens again.
     one = graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
     (key,) = step.graphs
-    assert key[1][0] == 1, f"graph key {key} is not for batch 1"
+    assert key[1][0][0] == 1, f"graph key {key} is not for batch 1"
     assert torch.equal(one, eager.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True))
     # The same cache with a longer bucket adds a graph rather than replacing one.
     graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True, bucket_size=64)

@@ -200,7 +200,7 @@ class Kernels:
         lines = [f"polyfuse backends (device={self.context.device.type}, dtype={str(self.context.dtype)[6:]}):"]
         for name, c in self.choices.items():
             impl = c.implementation
-            lines.append(f"  {name:<{width}}  {impl.backend}:{impl.name:<18} {c.reason}")
+            lines.append(f"  {name:<{width}}  {impl.backend + ':' + impl.name:<24} {c.reason}")
         return "\n".join(lines)
 
     def compiled(self, backend: str = "inductor") -> "Kernels":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -24,6 +25,9 @@ _FUSED = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
 }
+
+# Threads reading safetensors tensors and copying them to the device concurrently.
+LOAD_WORKERS = min(8, os.cpu_count() or 1)
 
 ATTENTION_OPTION_FLAGS = {
     "causal_prefill": "flash_attention_causal_mask",
@@ -83,26 +87,36 @@ def set_kernels(model: LlamaForCausalLM, flags: dict, overrides: str = "", train
     return model.kernels
 
 
-def load_weights(model: LlamaForCausalLM, tensors) -> None:
+def load_weights(model: LlamaForCausalLM, tensors, workers: int = 1) -> None:
+    """Copy (HF name, tensor) pairs into the model's parameters. A tensor may be a zero-argument callable that reads
+    it: with ``workers`` > 1 the reads and the host-to-device copies of different tensors then overlap."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
-    seen: set[str] = set()
-    for hf_name, tensor in tensors:
+
+    def place(item) -> Optional[str]:
+        hf_name, tensor = item
         if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
+            return None
         if tied and hf_name == "lm_head.weight":
             hf_name = "model.embed_tokens.weight"
         name, rows = _target(model.config, hf_name)
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"unexpected weight {hf_name!r} for a Llama checkpoint")
+        if callable(tensor):
+            tensor = tensor()
         dst = param.data if rows is None else param.data[rows]
         if tuple(dst.shape) != tuple(tensor.shape):
             raise CheckpointError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor, non_blocking=True)
-        seen.add(hf_name)
-    expected = set(expected_hf_names(model))
-    missing = sorted(expected - seen)
+        dst.copy_(tensor)
+        return hf_name
+
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            seen = set(pool.map(place, tensors))
+    else:
+        seen = {place(item) for item in tensors}
+    missing = sorted(set(expected_hf_names(model)) - seen)
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
 
@@ -156,11 +170,10 @@ def from_pretrained(
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: no such checkpoint folder")
         config = config_from_folder(path)
-        dev = torch.device(device)
-        tensors = iter_safetensors(path, str(dev) if dev.type == "cuda" else "cpu")
+        tensors = iter_safetensors(path)
     model = build(config, dtype, device, flags, overrides, training)
     with torch.no_grad():
-        load_weights(model, tensors)
+        load_weights(model, tensors, workers=1 if gguf_file is not None else LOAD_WORKERS)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0

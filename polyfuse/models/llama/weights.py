@@ -6,35 +6,52 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+import threading
+from typing import Callable, Iterator
 
 import torch
 
 from polyfuse.models.llama.config import CheckpointError, one_line
 
 
-def iter_safetensors(path: str, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors are read straight onto ``device`` when it is a GPU (safetensors copies from the mapped file)."""
+def iter_safetensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """(name, reader) for every tensor of a safetensors checkpoint; each reader returns the tensor on the CPU
+    (memory-mapped file, one tensor at a time) and may run on any thread."""
     from safetensors import SafetensorError, safe_open
 
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({one_line(e)})") from None
     else:
         files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights found")
+    local = threading.local()
+
+    def reader(file: str, key: str):
+        def read() -> torch.Tensor:
+            handles = local.__dict__.setdefault("handles", {})
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            return handles[file].get_tensor(key)
+
+        return read
+
     for name in files:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: listed in the index but missing")
         try:
-            with safe_open(file, framework="pt", device=device) as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+            with safe_open(file, framework="pt") as f:
+                keys = list(f.keys())
         except SafetensorError as e:
             raise CheckpointError(f"{file}: corrupt safetensors file ({one_line(e)})") from None
+        for key in keys:
+            yield key, reader(file, key)
 
 
 _GGUF_NAMES = {
