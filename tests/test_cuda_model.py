@@ -114,9 +114,13 @@ def test_graph_replay_matches_eager_exactly(pair):
     (key,) = step.graphs
     assert key[1][0][0] == 1, f"graph key {key} is not for batch 1"
     assert torch.equal(one, eager.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True))
-    # The same cache with a longer bucket adds a graph rather than replacing one.
-    graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True, bucket_size=64)
-    assert len(step.graphs) == 2
+    # With --bucket_size the attended KV length grows in buckets: 21 + 40 tokens in buckets of 16 decode over KV
+    # lengths 32, 48 and 64 of one 64-slot cache, so three graphs, reused by the next identical call.
+    kw = dict(max_new_tokens=40, ignore_eos=True, bucket_size=16)
+    b1 = graphed.generate(ids[:1], mask[:1], **kw)
+    assert sorted(k[0] for k in step.graphs) == [32, 48, 64]
+    assert torch.equal(graphed.generate(ids[:1], mask[:1], **kw), b1) and len(step.graphs) == 3
+    assert torch.equal(b1, eager.generate(ids[:1], mask[:1], **kw))
 
 
 def test_weight_bytes_counts_tied_head_once():
