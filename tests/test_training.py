@@ -255,3 +255,29 @@ def test_run_clm_bad_arguments_one_line(tmp_path):
         assert r.returncode == 2, (bad, r.stderr)
         err = r.stderr.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("run_clm.py: error:"), err
+
+
+def test_trainer_trains_polyfuse_llama_like_transformers(tmp_path):
+    """PolyfuseTrainer on polyfuse's own Llama (kernels re-resolved for training, loss through the fused linear
+    cross-entropy) follows transformers' Trainer on transformers' Llama from the same weights."""
+    import transformers
+
+    from polyfuse.models.llama import LlamaForCausalLM as PfLlama
+    from polyfuse.models.llama.loading import hf_state_items
+
+    hf = tiny_llama(seed=5)
+    hf.save_pretrained(tmp_path / "init")
+    ours = PfLlama.from_pretrained(str(tmp_path / "init"))
+    ref = transformers.Trainer(hf, _args(tmp_path / "hf", save_steps=100), train_dataset=_dataset())
+    ref.train()
+    trainer = PolyfuseTrainer(ours, _args(tmp_path / "pf", save_steps=100), train_dataset=_dataset())
+    trainer.train()
+    assert trainer.model.kernels.context.training, "kernels were not re-resolved in training mode"
+    loss_hf = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    loss_pf = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(loss_pf) == len(loss_hf) == 6
+    assert loss_pf == pytest.approx(loss_hf, rel=1e-4)
+    assert loss_pf[-1] < loss_pf[0], "the loss did not go down"
+    got = dict(hf_state_items(trainer.model))
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), atol=1e-4, rtol=1e-4, msg=name)

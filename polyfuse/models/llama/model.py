@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from polyfuse.models.llama.kv_cache import StaticKVCache
 from polyfuse.models.llama.rope import RotaryEmbedding
@@ -16,9 +17,11 @@ from polyfuse.ops.attention import AttentionMeta
 
 
 @dataclass
-class CausalLMOutput:
-    logits: Optional[torch.Tensor] = None
+class CausalLMOutput(ModelOutput):
+    """transformers' output convention: attribute, key and index access (``out[0]`` is the loss when present)."""
+
     loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
 
 
 class RMSNorm(nn.Module):
