@@ -34,6 +34,18 @@ def _rotate_block(IN, OUT, s_h, o_h, heads, n_heads, d, d_mask, c1, c2, s1, s2, 
 
 
 @triton.jit
+def _load_cos_sin(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The fp32 cos/sin halves of one (b, l) row, as [1, BLOCK_HALF] tiles, with the head-dim offsets and mask."""
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    c1 = tl.load(cos_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    return d, d_mask, c1, c2, s1, s2
+
+
+@triton.jit
 def _rotary_kernel(
     Q,
     K,
@@ -69,14 +81,7 @@ def _rotary_kernel(
     pid_h = tl.program_id(1)
     b = pid_bl // L
     l = pid_bl % L
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < HALF
-    cos_row = COS + b * sc_b + l * sc_l
-    sin_row = SIN + b * ss_b + l * ss_l
-    c1 = tl.load(cos_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    d, d_mask, c1, c2, s1, s2 = _load_cos_sin(COS + b * sc_b + l * sc_l, SIN + b * ss_b + l * ss_l, HALF, BLOCK_HALF)
     n_q_blocks = tl.cdiv(HQ, BLOCK_H)
     if pid_h < n_q_blocks:
         heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)

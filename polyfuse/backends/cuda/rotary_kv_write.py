@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.cuda.rotary import _cos_sin, _rotate_block, _unit_last
+from polyfuse.backends.cuda.rotary import _cos_sin, _load_cos_sin, _rotate_block, _unit_last
 
 
 @triton.jit
@@ -23,14 +23,7 @@ def _rotary_kv_write_kernel(
     pid_h = tl.program_id(1)
     b = pid_bl // L
     l = pid_bl % L
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < HALF
-    cos_row = COS + b * sc_b + l * sc_l
-    sin_row = SIN + b * ss_b + l * ss_l
-    c1 = tl.load(cos_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_row + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_row + HALF + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    d, d_mask, c1, c2, s1, s2 = _load_cos_sin(COS + b * sc_b + l * sc_l, SIN + b * ss_b + l * ss_l, HALF, BLOCK_HALF)
     n_q_blocks = tl.cdiv(HQ, BLOCK_H)
     if pid_h < n_q_blocks:
         heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)

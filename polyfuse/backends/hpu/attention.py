@@ -65,22 +65,3 @@ def fused_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Attentio
     elif mask is None and meta.is_causal and q_len > 1:
         mask = causal_mask(q_len, k_len, q.device, q.dtype)
     return fsdpa.apply(q, k, v, mask, 0.0, False, scale, softmax_mode, recompute, None, "None")
-
-
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    """Matmul + softmax + matmul, like optimum-habana's ``gaudi_eager_attention_forward``.
-
-    Same math as the native reference, except that with ``meta.softmax_bf16`` (--attn_softmax_bf16) the softmax
-    runs in q's dtype instead of fp32. Device-agnostic: usable as the native attention's body.
-    """
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scores = torch.matmul(q, k.transpose(2, 3)) * meta.scale
-    mask = meta.mask
-    if mask is None and meta.is_causal and q.shape[2] > 1:
-        mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype)
-    if mask is not None:
-        scores = scores + mask
-    softmax_dtype = q.dtype if meta.softmax_bf16 else torch.float32
-    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-    return torch.matmul(probs, v)
