@@ -18,7 +18,6 @@ import torch
 from polyfuse.backends import registry
 from polyfuse.backends.hpu import _habana
 from polyfuse.backends.hpu.attention import fused_sdpa
-from polyfuse.backends.hpu.bucketing import bucketed_length, next_cache_length, pad_to_length, valid_lengths
 from polyfuse.backends.hpu.optim import fused_adamw, fused_clip_norm
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
@@ -550,58 +549,6 @@ def test_memory_stats_format(hf):
     assert rt.memory_stats()["max_memory_allocated (GB)"] == 17.56
     rt.synchronize()
     assert "synchronize" in _names(hf)
-
-
-# -- bucketing ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "prompt,new,bucket,expected",
-    [(10, 20, -1, 30), (10, 20, 0, 30), (10, 20, 128, 128), (128, 20, 128, 256), (129, 5, 128, 256), (0, 4, 16, 16)],
-)
-def test_bucketed_length(prompt, new, bucket, expected):
-    assert bucketed_length(prompt, new, bucket) == expected
-    if bucket > 0:
-        assert bucketed_length(prompt, new, bucket) % bucket == 0
-
-
-def test_next_cache_length():
-    assert next_cache_length(128, 100, 128) == 128  # fits
-    assert next_cache_length(128, 129, 128) == 256  # one bucket more
-    assert next_cache_length(128, 300, 128) == 384
-    assert next_cache_length(128, 129, 128, max_len=200) == 200  # capped
-    assert next_cache_length(30, 31, -1, max_len=60) == 60
-    assert next_cache_length(30, 31, 0) == 31
-    with pytest.raises(ValueError):
-        next_cache_length(128, 201, 128, max_len=200)
-    # Walking a generation: the cache grows only at bucket boundaries.
-    cur, lengths = bucketed_length(5, 40, 16), set()
-    for needed in range(6, 46):
-        cur = next_cache_length(cur, needed, 16)
-        lengths.add(cur)
-    assert lengths == {16, 32, 48}
-
-
-def test_pad_to_length_left_pads():
-    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
-    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-    out_ids, out_mask = pad_to_length(ids, mask, 5, pad_id=0)
-    assert out_ids.tolist() == [[0, 0, 0, 5, 6], [0, 0, 7, 8, 9]]
-    assert out_mask.tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]
-    assert out_mask.dtype == mask.dtype
-    assert valid_lengths(out_mask).tolist() == [2, 3] and valid_lengths(out_mask).dtype == torch.int32
-
-
-def test_pad_to_length_truncates_and_repads():
-    ids = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]])
-    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
-    out_ids, out_mask = pad_to_length(ids, mask, 3, pad_id=-1)
-    assert out_ids.tolist() == [[1, 2, 3], [-1, 5, 6]]  # keeps the first tokens, like tokenizer truncation
-    assert out_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
-    right = pad_to_length(torch.tensor([[5, 6, 0]]), torch.tensor([[1, 1, 0]]), 4, pad_id=0)
-    assert right[0].tolist() == [[0, 0, 5, 6]] and right[1].tolist() == [[0, 0, 1, 1]]
-    none_mask = pad_to_length(torch.tensor([[3, 4]]), None, 3, pad_id=9)
-    assert none_mask[0].tolist() == [[9, 3, 4]] and none_mask[1].tolist() == [[0, 1, 1]]
 
 
 # -- fused optimizer helpers -----------------------------------------------------------------------------------------
