@@ -20,7 +20,15 @@ def model():
 
 @pytest.mark.parametrize(
     "length,bucket,limit,expected",
-    [(30, -1, 100, 30), (30, 0, 100, 30), (30, 16, 100, 32), (32, 16, 100, 32), (33, 16, 100, 48), (95, 16, 100, 96), (97, 16, 100, 100)],
+    [
+        (30, -1, 100, 30),
+        (30, 0, 100, 30),
+        (30, 16, 100, 32),
+        (32, 16, 100, 32),
+        (33, 16, 100, 48),
+        (95, 16, 100, 96),
+        (97, 16, 100, 100),
+    ],
 )
 def test_bucketed(length, bucket, limit, expected):
     assert bucketed(length, bucket, limit) == expected

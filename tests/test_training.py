@@ -281,3 +281,30 @@ def test_trainer_trains_polyfuse_llama_like_transformers(tmp_path):
     got = dict(hf_state_items(trainer.model))
     for name, p in hf.named_parameters():
         torch.testing.assert_close(got[name], p.detach(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    """polyfuse's Llama supports transformers' gradient_checkpointing API with identical loss and gradients."""
+    from polyfuse.models.llama import LlamaForCausalLM as PfLlama
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 24))
+    grads = []
+    for ckpt in (False, True):
+        model = PfLlama.from_config(tiny_llama().config, seed=7, training=True)
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model.train()
+        calls = []
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *a: calls.append(1))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        n_layers = len(model.model.layers)
+        # With checkpointing every block but the first (whose input is the embedding) runs again in the backward.
+        assert len(calls) == (2 * n_layers - 1 if ckpt else n_layers)
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert grads[0][1].keys() == grads[1][1].keys()
+    for name, g in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][name], g, rtol=1e-6, atol=1e-7, msg=name)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -119,6 +120,17 @@ class LlamaForCausalLM(nn.Module):
         self.runtime = None  # polyfuse.backends.runtime.DeviceRuntime, set by the loader
         self.cache: Optional[StaticKVCache] = None
         self.attention_options: dict = {}
+        self.gradient_checkpointing = False
+
+    supports_gradient_checkpointing = True
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """transformers' API (Trainer's ``gradient_checkpointing=True`` calls it): recompute each decoder block in
+        the backward instead of keeping its activations."""
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
 
     # -- building blocks shared by forward() and generation ------------------------------------------------------
 
@@ -158,10 +170,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = m.rotary_emb(position_ids)
         hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
         pending, residual = m.embed_tokens(input_ids), None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in m.layers:
             if hook is not None:
                 hook()
-            pending, residual = layer(k, pending, residual, cos, sin, meta, self.cache, cache_position, kv_len)
+            args = (k, pending, residual, cos, sin, meta, self.cache, cache_position, kv_len)
+            if checkpointing and residual is not None:
+                # Activation checkpointing: keep each block's inputs, recompute its insides in the backward.
+                pending, residual = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                pending, residual = layer(*args)
         return k.add_rms_norm(pending, residual, m.norm.weight, m.norm.eps)[0]
 
     # -- HF-style API ------------------------------------------------------------------------------------------
