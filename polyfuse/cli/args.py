@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--use_flash_attention",
         action="store_true",
-        help="fused attention that never materializes L x L scores: FusedSDPA on Gaudi, SDPA flash/memory-efficient on NVIDIA; eager matmul+softmax otherwise",
+        help="fused attention that never materializes L x L scores: FusedSDPA on Gaudi; on NVIDIA a Triton split-K decode kernel and SDPA flash/memory-efficient prefill; eager matmul+softmax otherwise",
     )
     g.add_argument("--flash_attention_recompute", action="store_true", help="Gaudi: recompute mode on the first token")
     g.add_argument(
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=None,
         type=_bool_or_none,
-        help="Gaudi: fast softmax mode",
+        help="Gaudi: fast softmax mode (default: on with --use_flash_attention on Gaudi; an explicit value wins)",
     )
     g.add_argument("--attn_softmax_bf16", action="store_true", help="Gaudi eager attention: softmax in bf16")
     g = p.add_argument_group("graphs and compilation")
