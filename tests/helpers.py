@@ -55,6 +55,16 @@ def perturb_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def tiny_llama(seed: int = 0, attn: str = "sdpa") -> transformers.LlamaForCausalLM:
+    """transformers' Llama, two layers, GQA, fp32, for the patch and training tests."""
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=128, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
 def hf_from_pretrained(path: str, **kw) -> transformers.LlamaForCausalLM:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager", **kw

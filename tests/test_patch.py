@@ -5,29 +5,14 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_llama
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from polyfuse.backends.registry import SelectionContext, resolve
 from polyfuse.patch import patch, unpatch
 
 
 OPS = ("rms_norm", "add_rms_norm", "rotary", "attention", "swiglu", "linear_cross_entropy")
-
-
-def tiny_llama(seed=0, attn="sdpa"):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    return LlamaForCausalLM(cfg).float()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_llama
 
 from polyfuse.backends.registry import SelectionContext, implementations, ops, resolve
 from polyfuse.patch import patch
@@ -20,23 +21,6 @@ STEPS = 32
 # Ours are tighter on params because our native ops are bit-for-bit transformers' math.
 LOSS_TOL = {"atol": 1e-6, "rtol": 2e-5}
 PARAM_TOL = {"atol": 1e-4, "rtol": 1e-5}
-
-
-def tiny_llama(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(cfg).float()
 
 
 def train_curve(kernels=None, steps=STEPS, lr=1e-3, batch=4, seq=32):
