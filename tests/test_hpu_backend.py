@@ -638,3 +638,67 @@ def test_gaudi_runtime(gaudi, lazy):
     stats = rt.memory_stats()
     assert set(stats) == {"memory_allocated (GB)", "max_memory_allocated (GB)", "total_memory_available (GB)"}
     assert stats["total_memory_available (GB)"] > 0
+
+
+# -- the whole generation loop through the HPU backend (test double) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"use_flash_attention": True, "flash_attention_causal_mask": True, "flash_attention_recompute": True},
+        {"use_flash_attention": True, "use_hpu_graphs": True, "limit_hpu_graphs": True},
+        {"use_hpu_graphs": True, "attn_softmax_bf16": True},
+    ],
+    ids=["plain", "flash-causal-recompute", "flash-graphs-limit", "graphs-eager-attention"],
+)
+def test_generation_through_hpu_backend(hf, lazy, flags):
+    """polyfuse's Llama generating with the kernels and runtime the registry gives an HPU run: Habana's entry points
+    receive the calls (FusedSDPA with the right mode per step, FusedRMSNorm, FusedRoPE, HPU graphs, mark_step), and the
+    greedy tokens equal the native run's. The double computes on the CPU tensors it is given."""
+    import transformers
+
+    from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.models.llama.loading import ATTENTION_OPTION_FLAGS
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    ref = LlamaForCausalLM.from_config(cfg, seed=4).eval()
+    want = ref.generate(ids, mask, max_new_tokens=6, ignore_eos=True)
+
+    model = LlamaForCausalLM.from_config(cfg, seed=4).eval()
+    # What loading.set_kernels does for a model on an HPU, with the CPU tensors the double works on.
+    model.kernels = registry.resolve(SelectionContext(HPU, torch.float32, flags=dict(flags)))
+    model.runtime = get_runtime("hpu")
+    model.flags = dict(flags)
+    model.attention_options = {k: bool(flags.get(f)) for k, f in ATTENTION_OPTION_FLAGS.items()}
+    hf.reset()
+    got = model.generate(ids, mask, max_new_tokens=6, ignore_eos=True)
+    assert torch.equal(got, want)
+
+    names = _names(hf)
+    assert names.count("FusedRMSNorm") > 0 and names.count("RotaryPosEmbeddingHelperV2") > 0
+    # mark_step after each of the 6 tokens and before each of 2 layers in each of the 6 forwards (1 prefill + 5 decode).
+    assert names.count("mark_step") == 6 + 2 * 6
+    sdpa = hf.calls("FusedSDPA")
+    if flags.get("use_flash_attention"):
+        assert len(sdpa) == 2 * 6
+        prefill, decode = sdpa[0][0], sdpa[-1][0]
+        assert decode[4:] == (0.0, False, None, "None", False, None, "None") and decode[3] is not None  # the mask
+        if flags.get("flash_attention_causal_mask"):
+            assert prefill[3] is None and prefill[5] is True and prefill[8] is True and prefill[10] == "left"
+            assert prefill[9].tolist() == [4, 6] and prefill[9].dtype == torch.int32  # valid lengths
+    else:
+        assert sdpa == []
+    graphs = [n for n in names if n.startswith("hpu_graph")]
+    if flags.get("use_hpu_graphs"):
+        first = "hpu_graph_bypass" if flags.get("limit_hpu_graphs") else "hpu_graph_capture"
+        assert graphs[0] == first and "hpu_graph_replay" in graphs
+        assert len(hf.calls("wrap_in_hpu_graph")) == 1
+    else:
+        assert graphs == []
