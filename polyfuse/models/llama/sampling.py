@@ -7,17 +7,10 @@ from typing import Optional
 import torch
 
 
-def next_token(
-    logits: torch.Tensor,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: Optional[int] = None,
-    top_p: Optional[float] = None,
-    generator: Optional[torch.Generator] = None,
+def warp(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: Optional[float] = None
 ) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
+    """fp32 scores after temperature, top-k and top-p (dropped tokens at -inf), in transformers' order."""
     scores = logits.float()
     if temperature != 1.0:
         scores = scores / temperature
@@ -30,7 +23,21 @@ def next_token(
         drop_sorted = cum <= (1 - top_p)
         drop_sorted[:, -1:] = False  # always keep the most likely token
         scores = scores.masked_fill(drop_sorted.scatter(1, idx, drop_sorted), float("-inf"))
-    probs = scores.softmax(dim=-1)
+    return scores
+
+
+def next_token(
+    logits: torch.Tensor,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """logits [B, V] -> token ids [B]."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    probs = warp(logits, temperature, top_k, top_p).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
