@@ -291,3 +291,14 @@ def test_resolution_happens_once_per_build(monkeypatch):
     model.generate(torch.cat([ids, ids]), max_new_tokens=3, ignore_eos=True, bucket_size=4)
     assert count == []
     assert model.kernels is kernels
+
+
+def test_flag_asking_for_a_fused_op_the_device_lacks_warns(caplog):
+    """--use_flash_attention on a device with no fused attention: the native one runs, with one warning and a reason."""
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        kernels = registry.resolve(SelectionContext(torch.device("cpu"), flags={"use_flash_attention": True}))
+    choice = kernels.choices["attention"]
+    assert choice.implementation.name == "native"
+    assert "--use_flash_attention has no implementation on cpu" in choice.reason
+    lines = [r.getMessage() for r in caplog.records if "use_flash_attention" in r.getMessage()]
+    assert len(lines) == 1 and "native one runs" in lines[0]

@@ -178,6 +178,10 @@ def select(op: str, ctx: SelectionContext, overrides: Optional[dict] = None) -> 
     if relevant:
         reason = "fallback: " + "; ".join(f"{n}: {w}" for n, w in relevant)
         logger.warning("polyfuse: %s falls back to native (%s)", op, "; ".join(f"{n}: {w}" for n, w in relevant))
+    elif spec.enable_flag and ctx.flag(spec.enable_flag):
+        # The run asked for this op's fused kernels by flag and the device has none: say so once.
+        reason = f"fallback: --{spec.enable_flag} has no implementation on {ctx.device.type}"
+        logger.warning("polyfuse: --%s: no fused %s on %s; the native one runs", spec.enable_flag, op, ctx.device.type)
     return Choice(op, native, reason, skipped)
 
 
