@@ -501,3 +501,25 @@ def test_linear_cross_entropy_explicit_chunks_and_grad_output():
         (linear_cross_entropy_native(hid_r, w_r, labels, ignore_index=-1, reduction="sum") * 0.5).backward()
         assert_close(hid.grad, hid_r.grad, GRAD_TOL[torch.float32], f"grad hidden chunk={chunk}")
         assert_close(w.grad, w_r.grad, GRAD_TOL[torch.float32], f"grad weight chunk={chunk}")
+
+
+def test_rotary_kv_write_falls_back_with_one_warning_on_a_cache_it_cannot_take(caplog):
+    """A cache whose head dim is not contiguous (a layout the kernel does not write): the native op runs, same
+    result, one warning however many calls."""
+    import logging
+
+    from polyfuse.backends.cuda.rotary_kv_write import rotary_kv_write
+    from polyfuse.ops.rotary_kv_write import rotary_kv_write_native
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (_rand(gen, (1, h, 2, 8), torch.bfloat16, "cpu") for h in (4, 2, 2))
+    cos, sin = _cos_sin(gen, 1, 2, 8, "cpu")
+    pos = torch.tensor([3, 4])
+    caches = [torch.zeros(1, 2, 8, 6, dtype=torch.bfloat16).transpose(2, 3) for _ in range(4)]
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        for _ in range(3):
+            got = rotary_kv_write(q, k, v, cos, sin, caches[0], caches[1], pos)
+    want = rotary_kv_write_native(q, k, v, cos, sin, caches[2], caches[3], pos)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert len(caplog.records) == 1 and "not contiguous" in caplog.records[0].getMessage()

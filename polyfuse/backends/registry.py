@@ -185,6 +185,17 @@ def select(op: str, ctx: SelectionContext, overrides: Optional[dict] = None) -> 
     return Choice(op, native, reason, skipped)
 
 
+_warned: set = set()
+
+
+def warn_call_fallback(op: str, impl: str, why: str) -> None:
+    """For kernels that see, at call time, an input they cannot take (a shape, a layout): one warning per cause,
+    then the native reference runs. Never a wrong result, never a warning per token."""
+    if (op, impl, why) not in _warned:
+        _warned.add((op, impl, why))
+        logger.warning("polyfuse: %s: %s cannot take this input (%s); the native one runs", op, impl, why)
+
+
 class Kernels:
     """The resolved implementation of every op for one model build. Call ops as attributes: ``k.rms_norm(x, w, eps)``."""
 

@@ -54,6 +54,7 @@ class GraphedStep:
                 torch.cuda.synchronize()
                 return self.fn(kv_len, *args)
             self.graphs[key] = entry
+            logger.info("polyfuse: captured a CUDA graph for KV length %d, batch %d", kv_len, args[0].shape[0])
         static_in, static_out, graph = entry
         for buf, a in zip(static_in, args):
             buf.copy_(a, non_blocking=True)

@@ -48,9 +48,17 @@ def _rotary_kv_write_kernel(
 def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position):
     b, hq, length, d = q.shape
     hkv = k.shape[1]
-    if d % 2 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or k_cache.dtype != k.dtype:
+    why = (
+        "odd head dim" if d % 2
+        else "cache not contiguous in the head dim" if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+        else "cache dtype differs from k" if k_cache.dtype != k.dtype or v_cache.dtype != v.dtype
+        else None
+    )  # fmt: skip
+    if why is not None:
+        from polyfuse.backends.registry import warn_call_fallback
         from polyfuse.ops.rotary_kv_write import rotary_kv_write_native
 
+        warn_call_fallback("rotary_kv_write", "triton", why)
         return rotary_kv_write_native(q, k, v, cos, sin, k_cache, v_cache, cache_position)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     cos, sin = _cos_sin(cos, b, length, d), _cos_sin(sin, b, length, d)
