@@ -154,6 +154,7 @@ def generate(
     logits = prefill(n, input_ids, position_ids, torch.arange(n, device=device), key_mask)
     pos = position_ids[:, -1:] + 1
     steps = 0
+    cache_positions = torch.arange(n, total, device=device)  # one upload; each step takes a view
     for i in range(max_new_tokens):
         tok, done = emit(i, logits)
         steps = i + 1
@@ -161,7 +162,7 @@ def generate(
             break
         p = n + i
         kv_len = bucketed(p + 1, bucket_size, model.cache.max_len) if bucket_size > 0 else model.cache.max_len
-        cache_position = torch.full((1,), p, dtype=torch.long, device=device)
+        cache_position = cache_positions[i : i + 1]
         logits = decode(kv_len, tok[:, None], pos, cache_position, key_mask)
         pos = pos + 1
     _sync(model)
