@@ -57,7 +57,8 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
         mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype)
     if mask is not None:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=q.dtype if meta.softmax_bf16 else torch.float32).to(q.dtype)
+    softmax_dtype = q.dtype if meta.softmax_bf16 else torch.promote_types(q.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
     return torch.matmul(probs, v)
 
 

@@ -13,7 +13,8 @@ from polyfuse.backends.registry import OpSpec, declare
 def linear_cross_entropy_native(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
 ) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
+    logits = hidden @ weight.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
 
 

@@ -6,7 +6,7 @@ from polyfuse.backends.registry import OpSpec, declare
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 statistics (fp64 stays fp64)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
