@@ -133,7 +133,17 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
             overrides=targs.polyfuse_overrides(), training=True,
         )  # fmt: skip
         return model, tokenizer
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw), tokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    if gguf:
+        # transformers dequantizes GGUF weights into ordinary parameters but still tags the model as quantized,
+        # which Trainer refuses to fine-tune; nothing is quantized any more, so drop the tag (and from the config,
+        # so the saved checkpoint is a plain one).
+        model.hf_quantizer = None
+        if "is_quantized" in vars(model):
+            model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model, tokenizer
 
 
 def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
@@ -148,6 +158,13 @@ def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
 
 def main(argv=None) -> int:
     script, targs = parse_args(argv)
+    try:
+        return train(script, targs)
+    except (ValueError, OSError) as e:  # bad checkpoints and arguments found late: one line, no traceback
+        _fail(" ".join(str(e).split()) or type(e).__name__)
+
+
+def train(script, targs) -> int:
     model, tokenizer = load_model_and_tokenizer(script, targs)
     train_dataset = build_dataset(tokenizer, script.train_file, script.block_size)
     trainer = PolyfuseTrainer(
