@@ -110,15 +110,22 @@ def bench_hf(hf, mode, batch, prompt_len, new_tokens, device):
     return timer.decode_ms(), warm, peak
 
 
+def _timed_peak(device, fn, **kw):
+    """(median seconds, peak bytes allocated above what was allocated before) of ``fn``."""
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    s = time_median(fn, **kw)
+    return s, (torch.cuda.max_memory_allocated() - base) if cuda else 0
+
+
 def bench_prefill(model, hf, length, batch, device, out, shape):
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     pos = torch.arange(length, device=device)[None].expand(batch, length)
     with torch.inference_mode():
         model.allocate_cache(batch, length)
-        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-        s = time_median(lambda: model.step(ids, pos, pos[0], None, length), reps=5)
-        extra = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else 0
+        s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
         model.cache = None
         log(
             dict(
@@ -140,10 +147,7 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
                 hf.set_attn_implementation(attn)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-                torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-                s = time_median(lambda: hf(ids), reps=3 if batch > 1 else 5, warmup=1)
-                extra = (torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else 0
+                s, extra = _timed_peak(device, lambda: hf(ids), reps=3 if batch > 1 else 5, warmup=1)
                 log(
                     dict(
                         what="prefill",

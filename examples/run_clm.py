@@ -161,7 +161,9 @@ def main(argv=None) -> int:
     try:
         return train(script, targs)
     except (ValueError, OSError) as e:  # bad checkpoints and arguments found late: one line, no traceback
-        _fail(" ".join(str(e).split()) or type(e).__name__)
+        from polyfuse.models.llama.config import one_line
+
+        _fail(one_line(e) or type(e).__name__)
 
 
 def train(script, targs) -> int:

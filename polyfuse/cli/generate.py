@@ -203,11 +203,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser().parse_args(argv)
     from polyfuse.models.llama import CheckpointError
+    from polyfuse.models.llama.config import one_line
 
     try:
         run(args)
     except (UsageError, CheckpointError, ValueError, FileNotFoundError) as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        print("error: " + one_line(e), file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
         print("error: out of GPU memory; lower --batch_size or --max_new_tokens", file=sys.stderr)

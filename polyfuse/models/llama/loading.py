@@ -17,13 +17,10 @@ from polyfuse.models.llama.model import LlamaForCausalLM
 from polyfuse.models.llama.weights import iter_gguf, iter_safetensors, open_gguf
 
 
-# HF name fragment -> (fused parameter fragment, index of the part) ; parts are stacked along dim 0.
+# Fused parameter fragment -> the HF fragments stacked in it along dim 0, in order.
 _FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
 }
 
 # Threads reading safetensors tensors and copying them to the device concurrently.
@@ -47,11 +44,12 @@ def _part_sizes(config, fused: str) -> list[int]:
 
 def _target(config, hf_name: str) -> tuple[str, Optional[slice]]:
     """HF parameter name -> (polyfuse parameter name, row slice inside it or None)."""
-    for frag, (fused, idx) in _FUSED.items():
-        if f".{frag}." in hf_name:
-            sizes = _part_sizes(config, fused)
-            start = sum(sizes[:idx])
-            return hf_name.replace(frag, fused), slice(start, start + sizes[idx])
+    for fused, parts in _FUSED.items():
+        for idx, frag in enumerate(parts):
+            if f".{frag}." in hf_name:
+                sizes = _part_sizes(config, fused)
+                start = sum(sizes[:idx])
+                return hf_name.replace(frag, fused), slice(start, start + sizes[idx])
     return hf_name, None
 
 
@@ -128,7 +126,7 @@ def expected_hf_names(model: LlamaForCausalLM) -> list[str]:
 def hf_state_items(model: LlamaForCausalLM):
     """(HF name, tensor view) for every weight, splitting the fused projections back."""
     for name, param in model.named_parameters():
-        fused = next(((f, parts) for f, parts in _FUSED_SPLIT.items() if f".{f}." in name), None)
+        fused = next(((f, parts) for f, parts in _FUSED.items() if f".{f}." in name), None)
         if fused is None:
             yield name, param.data
             continue
@@ -136,12 +134,6 @@ def hf_state_items(model: LlamaForCausalLM):
         sizes = _part_sizes(model.config, frag)
         for part, chunk in zip(parts, param.data.split(sizes, dim=0)):
             yield name.replace(frag, part), chunk
-
-
-_FUSED_SPLIT = {
-    "self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-    "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
-}
 
 
 def _dtype_of(dtype):
