@@ -208,6 +208,15 @@ def main():
     p.add_argument("--peer_batch_sizes", default="1,16,64")
     p.add_argument("--flags", default="use_flash_attention,use_cuda_graphs", help="polyfuse run flags")
     p.add_argument("--ops", default="", help="polyfuse op overrides")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="extra polyfuse decode runs, ';'-separated op-override sets added to --ops (e.g. "
+        "'linear=triton_gemv,swiglu_linear=triton_gemv'); each is timed beside the default at every batch size",
+    )
+    p.add_argument(
+        "--blas", default="", help="comma list of torch BLAS backends to time decode under (cublas, cublaslt)"
+    )
     p.add_argument("--prefill", default="2048", help="prefill lengths at batch 1 ('' for none)")
     p.add_argument("--attn_memory", action="store_true", help="batch 8 x 4096 prefill memory, flash vs eager vs SDPA")
     p.add_argument("--block70b", action="store_true", help="Llama-2-70B single block decode, tokens/s per block")
@@ -262,24 +271,40 @@ def main():
             set_kernels(model, flags, args.ops)
         hf = hf_twin(model) if (peers and shape in args.peer_shapes.split(",")) or args.prefill else None
         batch_sizes = [1] if shape == "llama2-70b-block" else [int(b) for b in args.batch_sizes.split(",")]
+        variants = [(blas, ops) for blas in (args.blas.split(",") if args.blas else [""]) for ops in [""] + [
+            v for v in args.variants.split(";") if v]]  # fmt: skip
         for bs in batch_sizes:
-            ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
-            kv = model.cache.nbytes() if model.cache is not None else 0
-            row = dict(
-                what="decode",
-                impl="polyfuse",
-                shape=shape,
-                bs=bs,
-                tok_per_s=bs * 1e3 / ms,
-                ms_per_step=ms,
-                warmup_s=warm,
-                mem_max_GB=gb(peak),
-            )
-            if bw:
-                row["frac_of_limit_weights"] = (wb / bw * 1e3) / ms  # the definition: all weights / bandwidth
-                row["achieved_TBps"] = (wb_read + kv) / (ms / 1e3) / 1e12  # bytes actually read per step
-            log(row, out)
-            model.cache = None
+            for blas, extra in variants:
+                if blas:
+                    torch.backends.cuda.preferred_blas_library(blas)
+                if blas or extra:  # a fresh resolution also drops graphs captured under other kernels
+                    from polyfuse.models.llama.loading import set_kernels
+
+                    set_kernels(model, flags, ",".join(o for o in (args.ops, extra) if o))
+                ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
+                kv = model.cache.nbytes() if model.cache is not None else 0
+                row = dict(
+                    what="decode",
+                    impl="polyfuse",
+                    shape=shape,
+                    bs=bs,
+                    tok_per_s=bs * 1e3 / ms,
+                    ms_per_step=ms,
+                    warmup_s=warm,
+                    mem_max_GB=gb(peak),
+                )
+                if blas or extra:
+                    row["variant"] = ";".join(x for x in (blas, extra) if x)
+                if bw:
+                    row["frac_of_limit_weights"] = (wb / bw * 1e3) / ms  # the definition: weights / bandwidth
+                    row["achieved_TBps"] = (wb_read + kv) / (ms / 1e3) / 1e12  # bytes actually read per step
+                log(row, out)
+                model.cache = None
+            if len(variants) > 1:
+                torch.backends.cuda.preferred_blas_library("cublas")
+                from polyfuse.models.llama.loading import set_kernels
+
+                set_kernels(model, flags, args.ops)
             if hf is not None and shape in args.peer_shapes.split(",") and str(bs) in args.peer_batch_sizes.split(","):
                 for mode in peers:
                     try:

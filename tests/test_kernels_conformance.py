@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyfuse.backends import registry
-from polyfuse.ops.attention import AttentionMeta
+from polyfuse.ops.attention import AttentionMeta, cache_mask
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -126,6 +126,40 @@ def _cases_rotary(device, dtype, big):
     return out
 
 
+def _cases_linear(device, dtype, big):
+    # (x leading dims, K, N): decode rows (<= 4) take the GEMV, more rows the library GEMM; K not a multiple of the
+    # GEMV's tile, and x as a strided view (a slice of a wider activation), as the model passes them.
+    shapes = [((1, 1), 4096, 6144), ((2, 1), 14336, 4096), ((3, 5), 512, 96)] if big else [
+        ((1, 1), 96, 40), ((4, 1), 1030, 33), ((3, 5), 64, 24)]  # fmt: skip
+    out = []
+    for lead, k, n in shapes:
+        gen = torch.Generator().manual_seed(k + n)
+        x0 = _rand(gen, (*lead, k + 8), dtype, device)
+        w0 = _rand(gen, (n, k), dtype, device, 0.05)
+
+        def make(x0=x0, w0=w0, k=k):
+            return (x0[..., :k], w0), {}, []
+
+        out.append((f"x{lead}K{k}N{n}", make))
+    return out
+
+
+def _cases_swiglu_linear(device, dtype, big):
+    # gate/up: halves of one fused [.., 2I] projection, as the model passes them.
+    shapes = [((1, 1), 14336, 4096), ((9,), 256, 64)] if big else [((1, 1), 129, 20), ((2, 1), 1024, 16), ((6,), 8, 4)]
+    out = []
+    for lead, i, n in shapes:
+        gen = torch.Generator().manual_seed(i + n)
+        gu0 = _rand(gen, (*lead, 2 * i), dtype, device, 2.0)
+        w0 = _rand(gen, (n, i), dtype, device, 0.05)
+
+        def make(gu0=gu0, w0=w0, i=i):
+            return (gu0[..., :i], gu0[..., i:], w0), {}, []
+
+        out.append((f"x{lead}I{i}N{n}", make))
+    return out
+
+
 def _cases_swiglu(device, dtype, big):
     # (leading dims, I, fused): fused -> gate/up are the two halves of one [.., 2I] projection (strided rows).
     shapes = (
@@ -198,6 +232,8 @@ def _cases_attention(device, dtype, big):
             (3, 32, 8, 100, 100, 128, "masked"),
             (4, 32, 8, 1, 1000, 128, "decode"),
             (2, 16, 16, 1, 300, 64, "decode"),
+            (3, 32, 8, 1, 640, 128, "decode_keys"),
+            (1, 32, 8, 1, 8192, 128, "decode_keys"),
         ]
         if big
         else [
@@ -206,6 +242,7 @@ def _cases_attention(device, dtype, big):
             (2, 4, 1, 6, 6, 16, "masked"),
             (2, 8, 2, 1, 9, 16, "decode"),
             (1, 4, 1, 1, 150, 24, "decode"),
+            (3, 8, 2, 1, 200, 16, "decode_keys"),
             (1, 2, 2, 4, 4, 8, "full"),
         ]
     )
@@ -223,9 +260,18 @@ def _cases_attention(device, dtype, big):
             scale=d**-0.5,
             mask=mask,
             is_causal=kind == "causal",
-            decode=kind == "decode",
+            decode=kind.startswith("decode"),
             valid_lengths=torch.tensor(lengths, dtype=torch.int32, device=device),
         )
+        if kind == "decode_keys":
+            # As the model passes a decode step: a bool key mask wider than the KV bucket (left padding) and the
+            # query's cache slot inside the bucket, so keys after it are hidden; the additive mask is built lazily.
+            key_mask = torch.ones(b, lk + 5, dtype=torch.bool, device=device)
+            for i in range(b):
+                key_mask[i, : i * 3] = False
+            slot = torch.tensor([lk - 1 - lk // 5], device=device)
+            meta.key_mask, meta.cache_position = key_mask[:, :lk], slot
+            meta.lazy_mask = lambda km=key_mask, p=slot, n=lk: cache_mask(km, p, n, dtype)
 
         def make(q0=q0, k0=k0, v0=v0, meta=meta):
             q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
@@ -275,6 +321,8 @@ CASES = {
     "swiglu": _cases_swiglu,
     "linear_cross_entropy": _cases_linear_cross_entropy,
     "attention": _cases_attention,
+    "linear": _cases_linear,
+    "swiglu_linear": _cases_swiglu_linear,
 }
 
 

@@ -1,6 +1,15 @@
 """Op declarations: one file per op, each with its signature and its native PyTorch reference."""
 
-from polyfuse.ops import add_rms_norm, attention, linear_cross_entropy, rms_norm, rotary, rotary_kv_write, swiglu
+from polyfuse.ops import (
+    add_rms_norm,
+    attention,
+    linear,
+    linear_cross_entropy,
+    rms_norm,
+    rotary,
+    rotary_kv_write,
+    swiglu,
+)
 from polyfuse.ops.attention import AttentionMeta
 
 
@@ -8,6 +17,7 @@ __all__ = [
     "AttentionMeta",
     "add_rms_norm",
     "attention",
+    "linear",
     "linear_cross_entropy",
     "rms_norm",
     "rotary",

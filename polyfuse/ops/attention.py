@@ -6,6 +6,10 @@ q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] with Hq % Hkv == 0; returns [B, Hq, Lq, D
   * ``is_causal``: q and k are the same positions with no padding, so a causal mask is all that is needed;
   * ``valid_lengths``: int32 [B] real tokens per row (left padding), for kernels that take lengths, not masks;
   * ``decode``: Lq == 1 against a KV cache;
+  * ``key_mask`` (bool [B, >=Lk], False: left padding) and ``cache_position`` ([Lq], the queries' cache slots): the
+    mask's sources, set for cached steps. A kernel that reads them (the Triton decode kernel) never needs ``mask``;
+    ``mask`` is then built on first access from them (``lazy_mask``), so a decode step launches no mask kernels
+    unless an implementation asks for it;
   * run options copied from the flags once at build time: ``causal_prefill`` (--flash_attention_causal_mask: use the
     causal flag plus ``valid_lengths`` instead of the mask on prefill), ``recompute`` (--flash_attention_recompute),
     ``fast_softmax`` (--flash_attention_fast_softmax), ``softmax_bf16`` (--attn_softmax_bf16, eager paths).
@@ -13,7 +17,7 @@ The native reference is eager attention (matmul, fp32 softmax, matmul), the same
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,6 +36,30 @@ class AttentionMeta:
     recompute: bool = False
     fast_softmax: bool = False
     softmax_bf16: bool = False
+    key_mask: Optional[torch.Tensor] = None
+    cache_position: Optional[torch.Tensor] = None
+    lazy_mask: Optional[Callable[[], torch.Tensor]] = None
+
+
+def _get_mask(self):
+    m = self.__dict__.get("_mask")
+    if m is None and self.lazy_mask is not None:
+        m = self.__dict__["_mask"] = self.lazy_mask()
+    return m
+
+
+def _set_mask(self, value):
+    self.__dict__["_mask"] = value
+
+
+AttentionMeta.mask = property(_get_mask, _set_mask)  # the dataclass __init__ assigns through the setter
+
+
+def cache_mask(key_mask: torch.Tensor, cache_position: torch.Tensor, kv_len: int, dtype) -> torch.Tensor:
+    """Additive [B, 1, Lq, kv_len] mask: key j is visible to the query at slot p when it is real and j <= p."""
+    keys = torch.arange(kv_len, device=cache_position.device)
+    allowed = key_mask[:, None, None, :kv_len] & (keys[None, None, None, :] <= cache_position[None, None, :, None])
+    return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def causal_mask(q_len: int, k_len: int, device, dtype) -> torch.Tensor:

@@ -92,6 +92,8 @@ IMPLEMENTATIONS = [
     _impl("attention", "sdpa_flash", "attention", "sdpa_attention", probe_sdpa),
     # Inference only (no backward): Lq == 1 runs the split-K kernel, other shapes go to SDPA inside the call
     # (probes see the run, not the shapes).
+    _impl("linear", "triton_gemv", "gemv", "linear", probe_triton_inference, backward=False),
+    _impl("swiglu_linear", "triton_gemv", "gemv", "swiglu_linear", probe_triton_inference, backward=False),
     _impl(
         "attention", "triton_decode", "decode_attention", "decode_attention", probe_triton_decode, PRIORITY + 10, False
     ),

@@ -14,7 +14,7 @@ from transformers.utils import ModelOutput
 
 from polyfuse.models.llama.kv_cache import StaticKVCache
 from polyfuse.models.llama.rope import RotaryEmbedding
-from polyfuse.ops.attention import AttentionMeta
+from polyfuse.ops.attention import AttentionMeta, cache_mask
 
 
 @dataclass
@@ -46,7 +46,9 @@ class Attention(nn.Module):
 
     def forward(self, k, x, cos, sin, meta: AttentionMeta, cache: Optional[StaticKVCache], cache_position, kv_len):
         b, n, _ = x.shape
-        q, key, val = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, key, val = k.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         q = q.view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         key = key.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
         val = val.view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
@@ -60,7 +62,8 @@ class Attention(nn.Module):
             q, key = k.rotary(q, key, cos, sin)
             key, val = cache.update(self.layer_idx, key, val, cache_position, kv_len)
         out = k.attention(q, key, val, meta)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.q_size))
+        o = self.o_proj
+        return k.linear(out.transpose(1, 2).reshape(b, n, self.q_size), o.weight, o.bias)
 
 
 class MLP(nn.Module):
@@ -72,8 +75,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, k, x):
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(k.swiglu(gate_up[..., : self.inter], gate_up[..., self.inter :]))
+        gate_up = k.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up, down = gate_up[..., : self.inter], gate_up[..., self.inter :], self.down_proj
+        if k.fused("swiglu_linear"):  # SwiGLU folded into the down projection's input
+            return k.swiglu_linear(gate, up, down.weight, down.bias)
+        return k.linear(k.swiglu(gate, up), down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -158,11 +164,13 @@ class LlamaForCausalLM(nn.Module):
         if key_mask is None:
             meta.is_causal = True  # no padding and keys == queries: plain causal
             return meta
-        keys = torch.arange(kv_len, device=cache_position.device)
-        allowed = key_mask[:, None, None, :kv_len] & (keys[None, None, None, :] <= cache_position[None, None, :, None])
-        meta.mask = torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-        if not meta.decode:
-            meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
+        if meta.decode:
+            # Kernels that read key_mask + cache_position directly never build the additive mask.
+            meta.key_mask, meta.cache_position = key_mask[:, :kv_len], cache_position
+            meta.lazy_mask = lambda: cache_mask(key_mask, cache_position, kv_len, dtype)
+            return meta
+        meta.mask = cache_mask(key_mask, cache_position, kv_len, dtype)
+        meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
         return meta
 
     def hidden_states(self, input_ids, position_ids, meta, cache_position=None, kv_len=None) -> torch.Tensor:
@@ -212,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         """One cached step (prefill or decode): writes the KV cache and returns the last position's logits [B, V]."""
         meta = self.make_meta(input_ids.shape[1], key_mask, cache_position, kv_len, self.dtype)
         h = self.hidden_states(input_ids, position_ids, meta, cache_position, kv_len)
-        return self.lm_head(h[:, -1])
+        return self.kernels.linear(h[:, -1], self.lm_head.weight, self.lm_head.bias)
 
     def allocate_cache(self, batch: int, max_len: int) -> StaticKVCache:
         cfg = self.config
