@@ -3,9 +3,12 @@
 
 Same shape, sequence, batch, bf16 weights and fused AdamW for both; random weights in real shapes. A step is what
 transformers' Trainer does per batch: forward with labels, backward, clip grad norm, optimizer step, zero grad.
-Reports tokens/s, peak memory and (GPU) the longest sequence that fits, found by doubling until OOM.
+Reports tokens/s, peak memory and (GPU) the longest sequence that fits, found by doubling until OOM, then one
+polyfuse/transformers ratio line per (shape, seq, batch) that both variants measured. With --output the JSON is
+rewritten after every case, so a run killed part-way keeps what it measured.
 
     python examples/benchmark_training.py --output bench_training.json              # GPU default set
+    python examples/benchmark_training.py --batch 1,4,8 --gradient_checkpointing --time_budget_s 480 --output b.json
     python examples/benchmark_training.py --shape tiny --output /tmp/tiny.json      # CPU smoke test
 """
 
@@ -53,12 +56,28 @@ def parse_args(argv=None):
     p.error = _fail
     p.add_argument("--shape", default=None, help=f"comma list of {', '.join(SHAPES)} (GPU default: 1b and 8b)")
     p.add_argument("--seq", default=None, help="comma list of sequence lengths (default 2048,4096; tiny: 64,128)")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--batch",
+        default="1",
+        help="comma list of batch sizes (default 1); the longest-sequence search runs at the first one only",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (after one warm-up step)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.add_argument("--max_seq_cap", type=int, default=32768, help="stop the doubling search here")
     p.add_argument("--no_max_seq", action="store_true", help="skip the longest-sequence search")
+    p.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="enable gradient checkpointing on both variants (transformers: use_reentrant=False)",
+    )
+    p.add_argument(
+        "--time_budget_s",
+        type=float,
+        default=None,
+        help="start no new case (or longest-sequence step) once this many seconds have passed; the rest is listed "
+        "as skipped (default: no budget)",
+    )
     p.add_argument("--variants", default="transformers,polyfuse")
     p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
     p.add_argument("--output", default=None, help="write the results as JSON here")
@@ -80,8 +99,16 @@ def parse_args(argv=None):
     for v in a.variants:
         if v not in ("transformers", "polyfuse"):
             _fail(f"unknown variant {v!r} (transformers, polyfuse)")
-    if a.batch < 1 or a.steps < 1:
-        _fail("--batch and --steps must be at least 1")
+    try:
+        a.batches = [int(b) for b in a.batch.split(",") if b.strip()]
+    except ValueError:
+        _fail(f"--batch must be a comma list of integers, got {a.batch!r}")
+    if not a.batches or min(a.batches) < 1 or a.steps < 1:
+        _fail("--batch sizes and --steps must be at least 1")
+    if not a.seqs or min(a.seqs) < 1:
+        _fail("--seq lengths must be at least 1")
+    if a.time_budget_s is not None and a.time_budget_s <= 0:
+        _fail("--time_budget_s must be positive")
     a.torch_dtype = getattr(torch, a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32"))
     return a
 
@@ -136,10 +163,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_case(model, opt, args, seq: int, steps: int):
+def run_case(model, opt, args, seq: int, batch: int, steps: int):
     device = torch.device(args.device)
     vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (args.batch, seq), device=device)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step(model, opt, ids)  # warm-up (kernel compilation, optimizer state allocation)
@@ -151,10 +178,10 @@ def run_case(model, opt, args, seq: int, steps: int):
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {
-        "tokens_per_s": round(args.batch * seq * steps / dt, 1),
+        "tokens_per_s": round(batch * seq * steps / dt, 1),
         "step_s": round(dt / steps, 4),
         "peak_mem_gib": None if peak is None else round(peak, 2),
-        "loss": round(float(loss), 4),
+        "loss": round(float(loss.detach()), 4),
     }
 
 
@@ -166,73 +193,178 @@ def _free(opt=None, model=None):
         torch.cuda.empty_cache()
 
 
-def longest_seq(model, opt, args, start: int):
-    """Double the sequence from ``start`` until OOM (one step each); the last that fit, or None if none did."""
+class Budget:
+    """``--time_budget_s``: once spent, ``over()`` is true and what was not started is listed in ``skipped``."""
+
+    def __init__(self, seconds):
+        self.seconds, self.t0, self.skipped = seconds, time.perf_counter(), []
+
+    def over(self) -> bool:
+        return self.seconds is not None and time.perf_counter() - self.t0 > self.seconds
+
+    def skip(self, what: str) -> None:
+        self.skipped.append(what)
+
+
+def longest_seq(model, opt, args, start: int, budget: Budget):
+    """Double the sequence from ``start`` until OOM (one step each, at the first batch size); the last that fit, or
+    None if none did. Stops early, without a verdict, when the time budget runs out."""
     fit, seq = None, start
     while seq <= args.max_seq_cap:
+        if budget.over():
+            return fit, False
+        oom = False
         try:
-            run_case(model, opt, args, seq, 1)
+            run_case(model, opt, args, seq, args.batches[0], 1)
             fit = seq
         except torch.cuda.OutOfMemoryError:
+            oom = True
+        if oom:  # freed outside the except block, so the traceback no longer holds the activations
             _free(opt, model)
             break
         seq *= 2
-    return fit
+    return fit, True
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(args.torch_dtype)[6:],
-               "batch": args.batch, "steps": args.steps, "cases": []}  # fmt: skip
-    for shape in args.shapes:
-        for variant in args.variants:
-            torch.manual_seed(0)
-            try:
-                model, report, impl = build(variant, shape, args, max(args.seqs))
-            except torch.cuda.OutOfMemoryError:
-                results["cases"].append({"shape": shape, "variant": variant, "error": "OOM building the model"})
-                _free()
-                continue
-            if report:
-                print(report, flush=True)
-            model.train()
-            opt = make_optimizer(model, device)
-            row_max = None
-            for seq in args.seqs:
-                case = {"shape": shape, "variant": variant, "impl": impl, "seq": seq}
-                try:
-                    case.update(run_case(model, opt, args, seq, args.steps))
-                except torch.cuda.OutOfMemoryError:
-                    case["error"] = "OOM"
-                    _free(opt, model)
-                results["cases"].append(case)
-                print(json.dumps(case), flush=True)
-            if device.type == "cuda" and not args.no_max_seq:
-                fitted = [
-                    c["seq"]
-                    for c in results["cases"]
-                    if c["shape"] == shape and c["variant"] == variant and "error" not in c
-                ]
-                row_max = longest_seq(model, opt, args, max(fitted) * 2 if fitted else min(args.seqs) // 2)
-                row_max = row_max or (max(fitted) if fitted else None)
-            results["cases"].append({"shape": shape, "variant": variant, "impl": impl, "max_seq": row_max})
-            del model, opt
-            _free()
-    table = ["| shape | variant | seq | tokens/s | peak GiB | step s | longest seq |", "|---|---|---|---|---|---|---|"]
-    maxes = {(c["shape"], c["variant"]): c["max_seq"] for c in results["cases"] if "max_seq" in c}
+def _ratio(a, b):
+    return None if a is None or b is None or not b else round(a / b, 3)
+
+
+def ratios(cases):
+    """polyfuse/transformers tokens/s and peak-memory ratios for every (shape, seq, batch) both variants measured."""
+    by = {(c["shape"], c["variant"], c["seq"], c["batch"]): c for c in cases if "tokens_per_s" in c}
+    out = []
+    for (shape, variant, seq, batch), pf in by.items():
+        tf = by.get((shape, "transformers", seq, batch))
+        if variant != "polyfuse" or tf is None:
+            continue
+        out.append({
+            "shape": shape, "seq": seq, "batch": batch,
+            "tokens_per_s_ratio": _ratio(pf["tokens_per_s"], tf["tokens_per_s"]),
+            "peak_mem_ratio": _ratio(pf["peak_mem_gib"], tf["peak_mem_gib"]),
+        })  # fmt: skip
+    return out
+
+
+def ratio_line(r) -> str:
+    mem = "n/a" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.2f}x"
+    return (f"ratio {r['shape']} seq {r['seq']} batch {r['batch']}: polyfuse/transformers tokens/s "
+            f"{r['tokens_per_s_ratio']:.2f}x, peak memory {mem}")  # fmt: skip
+
+
+def markdown(results) -> str:
+    ckpt = "yes" if results["gradient_checkpointing"] else "no"
+    table = [
+        "| shape | variant | batch | seq | grad ckpt | tokens/s | peak GiB | step s | longest seq |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    maxes = {}
+    for c in results["cases"]:
+        if c.get("max_seq") is not None:
+            maxes[c["shape"], c["variant"]] = f">={c['max_seq']}" if c.get("max_seq_lower_bound") else c["max_seq"]
     for c in results["cases"]:
         if "seq" not in c:
             continue
         longest = maxes.get((c["shape"], c["variant"]))
-        cells = [c["shape"], c["variant"], c["seq"], c.get("tokens_per_s", c.get("error")), c.get("peak_mem_gib"),
-                 c.get("step_s"), longest if longest is not None else "n/a"]  # fmt: skip
+        cells = [c["shape"], c["variant"], c["batch"], c["seq"], ckpt, c.get("tokens_per_s", c.get("error")),
+                 c.get("peak_mem_gib"), c.get("step_s"), longest if longest is not None else "n/a"]  # fmt: skip
         table.append("| " + " | ".join("-" if v is None else str(v) for v in cells) + " |")
-    results["markdown"] = "\n".join(table)
+    return "\n".join(table)
+
+
+def write(results, path) -> None:
+    """Rewrite the JSON (atomically: a kill mid-write leaves the previous version) with the table and ratios."""
+    if not path:
+        return
+    results["ratios"] = ratios(results["cases"])
+    results["markdown"] = markdown(results)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    budget = Budget(args.time_budget_s)
+    device = torch.device(args.device)
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(args.torch_dtype)[6:],
+               "batches": args.batches, "steps": args.steps, "gradient_checkpointing": args.gradient_checkpointing,
+               "time_budget_s": args.time_budget_s, "skipped": budget.skipped, "cases": []}  # fmt: skip
+    search = device.type == "cuda" and not args.no_max_seq
+    for shape in args.shapes:
+        for variant in args.variants:
+            grid = [(b, s) for b in args.batches for s in args.seqs]
+            if budget.over():
+                budget.skipped.extend(f"{shape}/{variant} batch {b} seq {s}" for b, s in grid)
+                if search:
+                    budget.skip(f"{shape}/{variant} longest-seq search")
+                continue
+            torch.manual_seed(0)
+            oom = False
+            try:
+                model, report, impl = build(variant, shape, args, max(args.seqs))
+            except torch.cuda.OutOfMemoryError:
+                oom = True
+            if oom:
+                results["cases"].append({"shape": shape, "variant": variant, "error": "OOM building the model"})
+                _free()
+                write(results, args.output)
+                continue
+            if report:
+                print(report, flush=True)
+            if args.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+            opt = make_optimizer(model, device)
+            for batch, seq in grid:
+                if budget.over():
+                    budget.skip(f"{shape}/{variant} batch {batch} seq {seq}")
+                    continue
+                case = {"shape": shape, "variant": variant, "impl": impl, "batch": batch, "seq": seq,
+                        "gradient_checkpointing": args.gradient_checkpointing}  # fmt: skip
+                oom = False
+                try:
+                    case.update(run_case(model, opt, args, seq, batch, args.steps))
+                except torch.cuda.OutOfMemoryError:
+                    oom = True
+                if oom:  # one case out of memory does not stop the sweep
+                    case["error"] = "OOM"
+                    _free(opt, model)
+                results["cases"].append(case)
+                print(json.dumps(case), flush=True)
+                write(results, args.output)
+            row_max, finished = None, True
+            if search:
+                fitted = [
+                    c["seq"]
+                    for c in results["cases"]
+                    if c["shape"] == shape and c["variant"] == variant and c.get("batch") == args.batches[0]
+                    and "error" not in c
+                ]  # fmt: skip
+                if budget.over():
+                    budget.skip(f"{shape}/{variant} longest-seq search")
+                else:
+                    start = max(fitted) * 2 if fitted else max(min(args.seqs) // 2, 1)
+                    row_max, finished = longest_seq(model, opt, args, start, budget)
+                    if not finished:
+                        budget.skip(f"{shape}/{variant} rest of the longest-seq search")
+                row_max = row_max or (max(fitted) if fitted else None)
+            row = {"shape": shape, "variant": variant, "impl": impl, "batch": args.batches[0], "max_seq": row_max}
+            if not finished:
+                row["max_seq_lower_bound"] = True  # the search was cut by the time budget: at least this long fits
+            results["cases"].append(row)
+            del model, opt
+            _free()
+            write(results, args.output)
+    results["ratios"] = ratios(results["cases"])
+    results["markdown"] = markdown(results)
     print(results["markdown"])
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(results, f, indent=2)
+    for r in results["ratios"]:
+        print(ratio_line(r))
+    if budget.skipped:
+        print(f"time budget of {args.time_budget_s:g} s spent: skipped {'; '.join(budget.skipped)}", flush=True)
+    write(results, args.output)
     return 0
 
 

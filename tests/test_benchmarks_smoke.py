@@ -1,6 +1,7 @@
 """The GPU benchmark scripts run end to end on the CPU at a tiny shape and write what the docs tables are built from."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,8 +35,34 @@ def test_benchmark_generation_tiny(tmp_path):
 
 def test_benchmark_training_tiny(tmp_path):
     out = tmp_path / "train.json"
-    _run(["examples/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--output", str(out)])
-    cases = json.loads(out.read_text())["cases"]
-    got = {(c["variant"], c["seq"]) for c in cases if "tokens_per_s" in c}
-    assert got == {("transformers", 32), ("polyfuse", 32)}
-    assert all(c["tokens_per_s"] > 0 and c["loss"] > 0 for c in cases if "tokens_per_s" in c)
+    proc = _run([
+        "examples/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "--gradient_checkpointing", "--output", str(out),
+    ])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["gradient_checkpointing"] is True and res["batches"] == [1, 2] and res["skipped"] == []
+    cases = [c for c in res["cases"] if "tokens_per_s" in c]
+    got = sorted((c["variant"], c["batch"], c["seq"]) for c in cases)
+    assert got == [("polyfuse", 1, 32), ("polyfuse", 2, 32), ("transformers", 1, 32), ("transformers", 2, 32)]
+    assert all(math.isfinite(c["tokens_per_s"]) and c["tokens_per_s"] > 0 and c["loss"] > 0 for c in cases)
+    assert all(c["gradient_checkpointing"] is True for c in cases)
+    ratios = {(r["shape"], r["seq"], r["batch"]): r for r in res["ratios"]}
+    assert set(ratios) == {("tiny", 32, 1), ("tiny", 32, 2)}
+    for r in ratios.values():
+        assert math.isfinite(r["tokens_per_s_ratio"]) and r["tokens_per_s_ratio"] > 0
+        assert "peak_mem_ratio" in r  # None on the CPU: no peak-memory counter there
+    assert "| batch |" in res["markdown"] and "| grad ckpt |" in res["markdown"]
+    assert "ratio tiny seq 32 batch 2: polyfuse/transformers tokens/s" in proc.stdout
+
+
+def test_benchmark_training_time_budget(tmp_path):
+    """A spent budget starts nothing more, says what it skipped, and still writes the JSON."""
+    out = tmp_path / "train.json"
+    proc = _run([
+        "examples/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "--time_budget_s", "1e-9", "--output", str(out),
+    ])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["cases"] == [] and res["ratios"] == []
+    assert "tiny/polyfuse batch 2 seq 32" in res["skipped"] and len(res["skipped"]) == 4
+    assert "time budget of 1e-09 s spent: skipped tiny/transformers batch 1 seq 32" in proc.stdout
