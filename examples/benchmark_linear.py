@@ -125,7 +125,7 @@ def main():
                         log(dict(shape=name, M=m, impl=tag, error=str(e).splitlines()[0][:200]))
             for impl, s in sorted(cases.items(), key=lambda kv: kv[1]):
                 log(dict(shape=name, M=m, impl=impl, us=round(s * 1e6, 2), TBps=round(nbytes / s / 1e12, 3)))
-        del ws
+        ws.clear()
         torch.cuda.empty_cache()
 
 

@@ -16,6 +16,9 @@ class DeviceRuntime:
     device_type = "cpu"
     # Which graph flag this device honours ("--use_cuda_graphs" / "--use_hpu_graphs"), None if neither.
     graph_flag: Optional[str] = None
+    # Greedy decoding runs generation.TokenStep (the whole token, in place on persistent buffers) through
+    # graph_module(..., "token", ...); False keeps the per-token loop (argmax and bookkeeping outside the step).
+    inplace_decode = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -31,8 +34,10 @@ class DeviceRuntime:
         return None
 
     def graph_module(self, module: torch.nn.Module, phase: str, flags: dict):
-        """Return a callable that runs ``module`` (a whole prefill or decode step) through the device's graphs when
-        the run's flags ask for them (``phase`` is "prefill" or "decode"); the base runtime runs it as is."""
+        """Return a callable that runs ``module`` through the device's graphs when the run's flags ask for them; the
+        base runtime runs it as is. ``phase``: "prefill" or "decode" (a whole cached step returning logits), or
+        "token" (asked only where ``inplace_decode``: a whole greedy token that updates its tensor arguments in
+        place and returns nothing)."""
         return module
 
     def reset_peak_memory(self) -> None:

@@ -16,9 +16,10 @@ class CudaRuntime(DeviceRuntime):
         torch.cuda.synchronize(self.device)
 
     def graph_module(self, module, phase: str, flags: dict):
-        # Prefill shapes follow the prompt, so only the per-token decode step is captured.
-        if phase == "decode" and flags.get("use_cuda_graphs"):
-            return GraphedStep(module)
+        # Prefill shapes follow the prompt, so only the per-token steps are captured; the greedy token step updates
+        # its arguments in place, so they are the graph's own buffers.
+        if phase in ("decode", "token") and flags.get("use_cuda_graphs"):
+            return GraphedStep(module, inplace=phase == "token")
         return module
 
     def reset_peak_memory(self) -> None:

@@ -56,6 +56,8 @@ class HpuGraphStep:
 class HpuRuntime(DeviceRuntime):
     device_type = "hpu"
     graph_flag = "use_hpu_graphs"
+    # Whether HPU graphs replay in-place updates of their inputs faithfully is unverified: keep the per-token loop.
+    inplace_decode = False
 
     def __init__(self, device: torch.device):
         super().__init__(device)

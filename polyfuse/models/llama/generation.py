@@ -1,12 +1,16 @@
-"""Batched generation over the static KV cache: one prefill step, then one decode step per token.
+"""Batched generation over the static KV cache: one prefill step, then one call per token.
 
-Both steps are ``LlamaForCausalLM.step`` wrapped by the device runtime (``runtime.graph_module``), so CUDA graphs
-or HPU graphs replace the step when the run asks for them; everything here is device-agnostic.
+Every step is wrapped by the device runtime (``runtime.graph_module``), so CUDA graphs or HPU graphs replace it when
+the run asks for them; everything here is device-agnostic. Greedy decoding (where ``runtime.inplace_decode``) runs
+:class:`TokenStep`: the whole token (step, argmax, EOS bookkeeping, history write, advance of the inputs) in place
+on persistent :class:`TokenState` buffers, so one graph replay per token is all the host launches. Sampling, and
+runtimes without in-place decoding (HPU), run :class:`StepModule` and pick the token outside it.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -26,6 +30,76 @@ class StepModule(nn.Module):
         return self.model.step(input_ids, position_ids, cache_position, key_mask, kv_len)
 
 
+def _is_eos(ids: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    # A broadcast compare rather than torch.isin, which may sort (and sync) for larger inputs: no graph holds that.
+    return (ids[..., None] == eos).any(-1)
+
+
+def _greedy(logits, finished, eos: Optional[torch.Tensor], pad_token_id: int) -> torch.Tensor:
+    """argmax token [B]; with EOS ids, rows already finished get ``pad_token_id`` and ``finished`` is updated in
+    place with the rows that emit an EOS id now (what the per-token loop does with sampled tokens)."""
+    tok = logits.argmax(dim=-1)
+    if eos is not None:
+        tok = tok.masked_fill(finished, pad_token_id)
+        finished.logical_or_(_is_eos(tok, eos))
+    return tok
+
+
+class TokenStep(nn.Module):
+    """One whole greedy token, in place: feeds ``tok`` at ``pos`` / ``cache_position``, writes the next token into
+    ``history`` at column ``cache_position + 1``, then advances ``tok``, ``pos`` and ``cache_position`` to it.
+
+    Every per-token value is a device tensor updated here, so a graph captured once per ``kv_len`` (the only Python
+    value that varies) replays every token with no copies, argmax or bookkeeping launched around it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, kv_len: int, tok, pos, cache_position, key_mask, finished, history, eos=None, pad_token_id: int = 0
+    ) -> None:
+        logits = self.model.step(tok, pos, cache_position, key_mask, kv_len)
+        new = _greedy(logits, finished, eos, pad_token_id)
+        history.index_copy_(1, cache_position + 1, new[:, None])
+        tok.copy_(new[:, None])
+        pos.add_(1)
+        cache_position.add_(1)
+
+
+class TokenState:
+    """The buffers :class:`TokenStep` reads and updates, one set per KV cache: graphs capture their addresses, so
+    they live as long as the cache and every generate() on that cache reuses them (and the graphs)."""
+
+    def __init__(self, batch: int, max_len: int, device):
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.cache_position = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.history = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # column c: token at position c
+        self._eos: dict = {}
+
+    def eos(self, ids: Sequence[int]) -> Optional[torch.Tensor]:
+        """The EOS ids as a device tensor, the same one for the same ids (a new one would mean a new capture)."""
+        if not ids:
+            return None
+        if tuple(ids) not in self._eos:
+            self._eos[tuple(ids)] = torch.tensor(ids, device=self.history.device)
+        return self._eos[tuple(ids)]
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # StaticKVCache -> TokenState, dropped with it
+_EOS_CHECK_EVERY = 8  # greedy decoding syncs on "every row finished?" once per this many tokens
+
+
+def _token_state(cache) -> TokenState:
+    state = _STATES.get(cache)
+    if state is None:
+        state = _STATES[cache] = TokenState(cache.batch, cache.max_len, cache.device)
+    return state
+
+
 def bucketed(length: int, bucket_size: int, limit: int) -> int:
     """Round ``length`` up to a multiple of ``bucket_size`` (no rounding when bucket_size <= 0), at most ``limit``."""
     if bucket_size <= 0:
@@ -34,18 +108,21 @@ def bucketed(length: int, bucket_size: int, limit: int) -> int:
 
 
 def _steppers(model):
+    """(prefill, decode, token) wrapped by the runtime; token is None where the runtime has no in-place decoding."""
     flags = getattr(model, "flags", {})
     cached = getattr(model, "_steppers", None)
     if cached is None or cached[0] is not model.kernels:
         step = StepModule(model)
         runtime = model.runtime
+        token = runtime.graph_module(TokenStep(model), "token", flags) if runtime.inplace_decode else None
         cached = (
             model.kernels,
             runtime.graph_module(step, "prefill", flags),
             runtime.graph_module(step, "decode", flags),
+            token,
         )
         model._steppers = cached
-    return cached[1], cached[2]
+    return cached[1:]
 
 
 def _sync(model):
@@ -139,34 +216,80 @@ def generate(
     cache_len = bucketed(total, bucket_size, cfg.max_position_embeddings)
     old_cache = model.cache
     model.allocate_cache(b, cache_len)
-    prefill, decode = _steppers(model)
+    prefill, decode, token = _steppers(model)
     if model.cache is not old_cache:
-        for s in (prefill, decode):
+        for s in (prefill, decode, token):
             if hasattr(s, "reset"):
                 s.reset()  # captured graphs point at the old cache
     model.model.rotary_emb.update_length(total)
-    key_mask = torch.ones(b, model.cache.max_len, dtype=torch.bool, device=device)
+    in_place = token is not None and not do_sample
+    state = _token_state(model.cache) if in_place else None
+    key_mask = state.key_mask if in_place else torch.empty(b, model.cache.max_len, dtype=torch.bool, device=device)
     key_mask[:, :n] = mask
+    key_mask[:, n:] = True
     position_ids = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)
+
+    def kv_len_at(p: int) -> int:
+        """The KV length a step at cache position ``p`` attends to."""
+        return bucketed(p + 1, bucket_size, model.cache.max_len) if bucket_size > 0 else model.cache.max_len
 
     _sync(model)
     t0 = time.perf_counter()
     logits = prefill(n, input_ids, position_ids, torch.arange(n, device=device), key_mask)
-    pos = position_ids[:, -1:] + 1
-    steps = 0
-    cache_positions = torch.arange(n, total, device=device)  # one upload; each step takes a view
-    for i in range(max_new_tokens):
-        tok, done = emit(i, logits)
-        steps = i + 1
-        if done:
-            break
-        p = n + i
-        kv_len = bucketed(p + 1, bucket_size, model.cache.max_len) if bucket_size > 0 else model.cache.max_len
-        cache_position = cache_positions[i : i + 1]
-        logits = decode(kv_len, tok[:, None], pos, cache_position, key_mask)
-        pos = pos + 1
+    if in_place:
+        new, t_first = _decode_in_place(
+            model, token, state, logits, position_ids, max_new_tokens, eos, pad_token_id, kv_len_at
+        )
+    else:
+        pos = position_ids[:, -1:] + 1
+        steps = 0
+        cache_positions = torch.arange(n, total, device=device)  # one upload; each step takes a view
+        for i in range(max_new_tokens):
+            tok, done = emit(i, logits)
+            steps = i + 1
+            if done:
+                break
+            cache_position = cache_positions[i : i + 1]
+            logits = decode(kv_len_at(n + i), tok[:, None], pos, cache_position, key_mask)
+            pos = pos + 1
+        new = out[:, :steps]
     _sync(model)
     t_end = time.perf_counter()
     if timings is not None:
-        timings.update(first_token_s=t_first - t0, rest_s=t_end - t_first, new_tokens=steps)
-    return torch.cat([input_ids, out[:, :steps]], dim=1)
+        timings.update(first_token_s=t_first - t0, rest_s=t_end - t_first, new_tokens=new.shape[1])
+    return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+
+def _decode_in_place(model, token, state, logits, position_ids, max_new_tokens, eos, pad_token_id, kv_len_at):
+    """Greedy tokens [B, steps] after the prefill's ``logits``, and when the first was ready (after a sync): one
+    ``token`` call per token and nothing else.
+
+    "Every row finished?" is read back once per ``_EOS_CHECK_EVERY`` tokens, not every token, so up to that many
+    extra steps may run; the result is then trimmed to the step where the last row finished, so it is exactly what
+    the per-token loop returns."""
+    n = position_ids.shape[1]
+    eos_t = state.eos(eos)
+    state.finished.zero_()
+    first = _greedy(logits, state.finished, eos_t, pad_token_id)
+    state.history[:, n] = first
+    state.tok.copy_(first[:, None])
+    state.pos.copy_(position_ids[:, -1:] + 1)
+    state.cache_position.fill_(n)
+    model.runtime.mark_step()
+    _sync(model)
+    t_first = time.perf_counter()
+    args = (state.tok, state.pos, state.cache_position, state.key_mask, state.finished, state.history)
+    steps = 1
+    done = eos_t is not None and bool(state.finished.all())
+    while steps < max_new_tokens and not done:
+        token(kv_len_at(n + steps - 1), *args, eos_t, pad_token_id)  # feeds the token at position n + steps - 1
+        model.runtime.mark_step()
+        steps += 1
+        done = eos_t is not None and steps % _EOS_CHECK_EVERY == 0 and bool(state.finished.all())
+    new = state.history[:, n : n + steps]
+    if eos_t is not None:
+        # A row's first EOS id is where it finished (later ones are pads); the last row to finish ends generation.
+        hit = _is_eos(new, eos_t)
+        if bool(hit.any(1).all()):
+            new = new[:, : int(hit.int().argmax(1).max()) + 1]
+    return new, t_first
