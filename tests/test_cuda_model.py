@@ -106,8 +106,8 @@ def test_graph_replay_matches_eager_exactly(pair):
     a = eager.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     b = graphed.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
-    step = graphed._steppers[2]  # (kernels, prefill, decode)
-    assert len(step.graphs) == 1 and step.disabled_reason is None
+    step = graphed._steppers[3]  # (kernels, prefill, decode, token): greedy decoding replays the in-place token step
+    assert step.inplace and len(step.graphs) == 1 and step.disabled_reason is None
     # Another batch size needs another cache: the old graphs (which point at the old cache) are dropped and the
     # step is captured anew for the new shapes, giving the eager tokens again.
     one = graphed.generate(ids[:1], mask[:1], max_new_tokens=8, ignore_eos=True)
@@ -121,6 +121,34 @@ def test_graph_replay_matches_eager_exactly(pair):
     assert sorted(k[0] for k in step.graphs) == [32, 48, 64]
     assert torch.equal(graphed.generate(ids[:1], mask[:1], **kw), b1) and len(step.graphs) == 3
     assert torch.equal(b1, eager.generate(ids[:1], mask[:1], **kw))
+
+
+def test_graphed_token_step_with_eos_matches_eager(pair):
+    """The in-place token step under graphs: rows finishing at different steps, the output trimmed where the last
+    one finished, the warm-ups undone (the first replayed tokens are the eager ones), and the sampling path (the
+    copying decode graph) still replaying."""
+    _, _, path = pair
+    eager = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    graphed = LlamaForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device="cuda", flags={"use_cuda_graphs": True}
+    )
+    ids, mask = _prompts(1000, "cuda")
+    free = eager.generate(ids, mask, max_new_tokens=40, ignore_eos=True)
+    eos = [int(free[0, 21 + 3]), int(free[1, 21 + 13]), int(free[2, 21 + 26])]
+    for bucket in (-1, 16):
+        kw = dict(max_new_tokens=40, eos_token_id=eos, pad_token_id=0, bucket_size=bucket)
+        want = eager.generate(ids, mask, **kw)
+        assert want.shape[1] < 21 + 40, "scenario not met: generation did not stop early"
+        assert torch.equal(graphed.generate(ids, mask, **kw), want)
+        assert torch.equal(graphed.generate(ids, mask, **kw), want)  # replays of the graphs captured above
+    token = graphed._steppers[3]
+    assert token.disabled_reason is None and token.graphs
+    sample = dict(max_new_tokens=24, do_sample=True, top_k=20, ignore_eos=True)
+    a = eager.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
+    b = graphed.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
+    decode = graphed._steppers[2]
+    assert not decode.inplace and decode.graphs and decode.disabled_reason is None
+    assert torch.equal(a, b)
 
 
 def test_weight_bytes_counts_tied_head_once():
