@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="transformers,polyfuse")
     p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--profile", action="store_true", help="GPU: print the top kernels of one more step after each case"
+    )
     a = p.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -161,6 +164,18 @@ def step(model, opt, ids):
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def profile_step(model, opt, args, seq: int, batch: int, title: str) -> None:
+    """GPU time per kernel over one training step (after the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(model, opt, ids)
+        sync(torch.device(args.device))
+    print(f"profile: {title}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70), flush=True)
 
 
 def run_case(model, opt, args, seq: int, batch: int, steps: int):
@@ -334,6 +349,8 @@ def main(argv=None) -> int:
                 results["cases"].append(case)
                 print(json.dumps(case), flush=True)
                 write(results, args.output)
+                if args.profile and not oom and device.type == "cuda":
+                    profile_step(model, opt, args, seq, batch, f"{shape} {variant} batch {batch} seq {seq}")
             row_max, finished = None, True
             if search:
                 fitted = [

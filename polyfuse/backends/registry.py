@@ -46,6 +46,7 @@ class Implementation:
     priority: int = 0  # higher wins among usable implementations
     probe: Optional[Callable[["SelectionContext"], Optional[str]]] = None  # None -> usable; str -> why not
     supports_backward: bool = False
+    note: str = ""  # what the implementation does per call when that depends on the input (shown in the report)
 
     def unusable_reason(self, ctx: "SelectionContext") -> Optional[str]:
         if "*" not in self.devices and ctx.device.type not in self.devices:
@@ -215,7 +216,8 @@ class Kernels:
         lines = [f"polyfuse backends (device={self.context.device.type}, dtype={str(self.context.dtype)[6:]}):"]
         for name, c in self.choices.items():
             impl = c.implementation
-            lines.append(f"  {name:<{width}}  {impl.backend + ':' + impl.name:<24} {c.reason}")
+            note = f" [{impl.note}]" if impl.note else ""
+            lines.append(f"  {name:<{width}}  {impl.backend + ':' + impl.name:<24} {c.reason}{note}")
         return "\n".join(lines)
 
     def compiled(self, backend: str = "inductor") -> "Kernels":

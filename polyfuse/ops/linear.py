@@ -2,9 +2,9 @@
 
 ``linear(x, weight, bias)`` is ``F.linear``; ``swiglu_linear(gate, up, weight, bias)`` is ``F.linear(silu(gate) *
 up, weight, bias)``, the MLP's down projection with its gate folded in. Both are inference-only ops (training keeps
-the reference, ``F.linear`` with its autograd); their fused implementations are opt-in through the run flag
-``use_gemv_kernels`` or the overrides ``linear=<impl>`` / ``swiglu_linear=<impl>`` until a benchmark shows they
-win on the device (examples/benchmark_linear.py, docs/benchmarks.md).
+the reference, ``F.linear`` with its autograd). A backend's implementation may take only the shapes where it was
+measured to win (CUDA: a Triton GEMV for tuned one-row decode shapes, cuBLAS for the rest); ``-linear`` /
+``-swiglu_linear`` force the reference.
 """
 
 from typing import Optional
@@ -29,7 +29,6 @@ SPEC = declare(
         "linear",
         "linear(x[..., K], weight[N, K], bias[N] | None) -> [..., N]",
         linear_native,
-        enable_flag="use_gemv_kernels",
         training=False,
     )
 )
@@ -38,7 +37,6 @@ SWIGLU_SPEC = declare(
         "swiglu_linear",
         "swiglu_linear(gate[..., I], up[..., I], weight[N, I], bias[N] | None) -> (silu(gate) * up) @ weight.T",
         swiglu_linear_native,
-        enable_flag="use_gemv_kernels",
         training=False,
     )
 )

@@ -4,9 +4,12 @@ applied to x on the fly (x = silu(gate) * up, the down projection's input, so Sw
 Each program owns BLOCK_N output columns and reads its [BLOCK_N, K] slice of the weight once, in [BLOCK_N, BLOCK_K]
 tiles, accumulating w * x elementwise in fp32 and reducing once at the end; no split-K, so no second reduction
 kernel (cuBLAS picks split-K plus a reduce kernel for the narrow decode GEMMs). Inference only (no backward).
-Whether it beats cuBLAS on a given GPU is measured by ``examples/benchmark_linear.py``; the model does not call it
-unless that measurement says so.
+It beats cuBLAS only on some shapes (measured by ``examples/benchmark_linear.py``): ``linear`` and
+``swiglu_linear`` below use it for the shapes of the ``TUNED`` table and leave every other call to cuBLAS.
 """
+
+import json
+import os
 
 import torch
 import triton
@@ -69,30 +72,52 @@ def gemv(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor = None, block_n: int
     return y
 
 
-MAX_ROWS = 4  # decode rows; more rows go to the library GEMM
+# Measured on one H200 (examples/benchmark_linear.py, docs/benchmarks.md): the (N, K, SwiGLU) decode shapes where
+# the GEMV beat cuBLAS at one row, with the winning (block_n, block_k, num_warps, num_stages). Every other shape,
+# and more than one row, goes to cuBLAS. POLYFUSE_GEMV_TABLE=<json> replaces the table (for tuning runs): a list of
+# [N, K, swiglu, block_n, block_k, num_warps, num_stages].
+TUNED = {
+    (4096, 4096, False): (8, 1024, 4, 2),  # Llama-3-8B o_proj: 11.5 us against cuBLAS's 13.5 (split-K + reduce)
+    (4096, 14336, True): (16, 1024, 8, 2),  # Llama-3-8B down_proj with SwiGLU: 31.1 us against 32.4 (2 kernels)
+}
 
 
-def _gemv_or_none(x: torch.Tensor, weight: torch.Tensor, bias, up=None):
+def _table() -> dict:
+    path = os.environ.get("POLYFUSE_GEMV_TABLE")
+    if not path:
+        return TUNED
+    with open(path) as f:
+        return {(n, k, bool(sw)): tuple(cfg) for n, k, sw, *cfg in json.load(f)}
+
+
+TABLE = _table()
+
+
+def _tuned_gemv(x: torch.Tensor, weight: torch.Tensor, bias, up=None):
+    """The GEMV's result for a tuned one-row shape, else None (the caller runs the library path)."""
     k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if not 0 < rows <= MAX_ROWS or bias is not None or needs_grad or x.dtype != weight.dtype or weight.dim() != 2:
+    if bias is not None or weight.dim() != 2 or x.numel() != k or x.dtype != weight.dtype:
         return None
-    y = gemv(x.reshape(rows, k), weight, None if up is None else up.reshape(rows, k))
+    cfg = TABLE.get((weight.shape[0], k, up is not None))
+    if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    bn, bk, nw, ns = cfg
+    y = gemv(x.reshape(1, k), weight, None if up is None else up.reshape(1, k), bn, bk, nw, ns)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """``F.linear`` with decode-sized inputs (<= MAX_ROWS rows, no bias, no grad) on the Triton GEMV."""
-    y = _gemv_or_none(x, weight, bias)
+    """``F.linear``, with the tuned one-row decode shapes on the Triton GEMV."""
+    y = _tuned_gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias) if y is None else y
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """The down projection of silu(gate) * up; decode-sized inputs apply SwiGLU inside the GEMV's loads."""
-    y = _gemv_or_none(gate, weight, bias, up)
+    """The down projection of silu(gate) * up: the GEMV applies SwiGLU in its loads for the tuned one-row shapes;
+    otherwise the Triton SwiGLU kernel, then cuBLAS."""
+    y = _tuned_gemv(gate, weight, bias, up)
     if y is None:
-        from polyfuse.ops.linear import swiglu_linear_native
+        from polyfuse.backends.cuda.swiglu import swiglu
 
-        return swiglu_linear_native(gate, up, weight, bias)
+        return torch.nn.functional.linear(swiglu(gate, up), weight, bias)
     return y

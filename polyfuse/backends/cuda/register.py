@@ -76,10 +76,13 @@ def lazy(module: str, attr: str):
     return fn
 
 
-def _impl(op, name, module, attr, probe, priority=PRIORITY, backward=True):
+def _impl(op, name, module, attr, probe, priority=PRIORITY, backward=True, note=""):
     return Implementation(
-        op, name, BACKEND, DEVICES, lazy(module, attr), priority=priority, probe=probe, supports_backward=backward
+        op, name, BACKEND, DEVICES, lazy(module, attr), priority, probe, supports_backward=backward, note=note
     )
+
+
+GEMV_NOTE = "Triton GEMV on the one-row shapes it was tuned for (gemv.TUNED), cuBLAS otherwise"
 
 
 IMPLEMENTATIONS = [
@@ -92,8 +95,10 @@ IMPLEMENTATIONS = [
     _impl("attention", "sdpa_flash", "attention", "sdpa_attention", probe_sdpa),
     # Inference only (no backward): Lq == 1 runs the split-K kernel, other shapes go to SDPA inside the call
     # (probes see the run, not the shapes).
-    _impl("linear", "triton_gemv", "gemv", "linear", probe_triton_inference, backward=False),
-    _impl("swiglu_linear", "triton_gemv", "gemv", "swiglu_linear", probe_triton_inference, backward=False),
+    _impl("linear", "triton_gemv", "gemv", "linear", probe_triton_inference, backward=False, note=GEMV_NOTE),
+    _impl(
+        "swiglu_linear", "triton_gemv", "gemv", "swiglu_linear", probe_triton_inference, backward=False, note=GEMV_NOTE
+    ),
     _impl(
         "attention", "triton_decode", "decode_attention", "decode_attention", probe_triton_decode, PRIORITY + 10, False
     ),

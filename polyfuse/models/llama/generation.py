@@ -217,11 +217,13 @@ def generate(
     old_cache = model.cache
     model.allocate_cache(b, cache_len)
     prefill, decode, token = _steppers(model)
-    if model.cache is not old_cache:
+    rope = model.model.rotary_emb
+    old_table = rope.cos_table
+    rope.update_length(total)  # dynamic NTK scaling may rebuild the cos/sin tables
+    if model.cache is not old_cache or rope.cos_table is not old_table:
         for s in (prefill, decode, token):
             if hasattr(s, "reset"):
-                s.reset()  # captured graphs point at the old cache
-    model.model.rotary_emb.update_length(total)
+                s.reset()  # captured graphs point at the old cache or tables
     in_place = token is not None and not do_sample
     state = _token_state(model.cache) if in_place else None
     key_mask = state.key_mask if in_place else torch.empty(b, model.cache.max_len, dtype=torch.bool, device=device)
@@ -235,7 +237,9 @@ def generate(
 
     _sync(model)
     t0 = time.perf_counter()
-    logits = prefill(n, input_ids, position_ids, torch.arange(n, device=device), key_mask)
+    # Without padding the prompt needs no mask: attention runs plainly causal (SDPA's flash path).
+    padded = attention_mask is not None and not bool(mask.all())
+    logits = prefill(n, input_ids, position_ids, torch.arange(n, device=device), key_mask if padded else None)
     if in_place:
         new, t_first = _decode_in_place(
             model, token, state, logits, position_ids, max_new_tokens, eos, pad_token_id, kv_len_at
