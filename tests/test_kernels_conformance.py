@@ -128,12 +128,25 @@ def _cases_rotary(device, dtype, big):
     return out
 
 
+@pytest.fixture(autouse=True)
+def _small_gemv_table(monkeypatch):
+    """Small tuned shapes for the GEMV, so the interpreter runs its kernel (with masked and unmasked K tiles)."""
+    try:
+        from polyfuse.backends.cuda import gemv
+    except ImportError:
+        return
+    table = dict(gemv.TABLE)
+    table.update({(40, 1030, False): (8, 256, 4, 1), (40, 96, False): (16, 32, 4, 1), (20, 129, True): (4, 64, 4, 1)})
+    monkeypatch.setattr(gemv, "TABLE", table)
+
+
 def _cases_linear(device, dtype, big):
     # (x leading dims, K, N): decode rows (<= 4) take the GEMV, more rows the library GEMM; K not a multiple of the
     # GEMV's tile, and x as a strided view (a slice of a wider activation), as the model passes them.
-    # (1, 1) x 4096 -> 4096 is a tuned shape (the GEMV runs); the others go to the library GEMM.
+    # One row of a tuned shape takes the GEMV (on the CPU: the small shapes _small_gemv_table adds, the real tables
+    # being too slow for the interpreter); more rows go to the library GEMM.
     shapes = [((1, 1), 4096, 4096), ((1, 1), 4096, 6144), ((2, 1), 14336, 4096), ((3, 5), 512, 96)] if big else [
-        ((1, 1), 4096, 4096), ((1, 1), 96, 40), ((3, 5), 64, 24)]  # fmt: skip
+        ((1, 1), 1030, 40), ((1, 1), 96, 40), ((3, 5), 64, 24)]  # fmt: skip
     out = []
     for lead, k, n in shapes:
         gen = torch.Generator().manual_seed(k + n)
@@ -149,8 +162,8 @@ def _cases_linear(device, dtype, big):
 
 def _cases_swiglu_linear(device, dtype, big):
     # gate/up: halves of one fused [.., 2I] projection, as the model passes them.
-    # (1, 1) x 14336 -> 4096 is a tuned shape (SwiGLU inside the GEMV); the others take SwiGLU + the library GEMM.
-    shapes = [((1, 1), 14336, 4096), ((9,), 256, 64)] if big else [((1, 1), 14336, 4096), ((2, 1), 1024, 16)]
+    # One row of a tuned shape: SwiGLU inside the GEMV; the others take SwiGLU + the library GEMM.
+    shapes = [((1, 1), 14336, 4096), ((9,), 256, 64)] if big else [((1, 1), 129, 20), ((2, 1), 1024, 16)]
     out = []
     for lead, i, n in shapes:
         gen = torch.Generator().manual_seed(i + n)
@@ -599,3 +612,25 @@ def test_gemv_runs_on_tuned_shapes_only(monkeypatch):
     x2 = torch.randn(2, 1, 40, generator=gen)  # two rows: library path
     torch.testing.assert_close(g.linear(x2, w), x2 @ w.T, rtol=1e-5, atol=1e-5)
     assert len(calls) == 2
+
+
+def test_swiglu_on_halves_of_one_projection_writes_one_gradient(monkeypatch):
+    """gate/up as the halves of one projection: the autograd node takes the projection itself (no zero-filled
+    halves summed by autograd), and the gradient equals the native one."""
+    pytest.importorskip("triton")
+    from polyfuse.backends.cuda import swiglu as sw
+
+    taken = []
+    real = sw._SwiGLUHalves.apply
+    monkeypatch.setattr(sw._SwiGLUHalves, "apply", lambda x: taken.append(x.shape) or real(x))
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(2 * 24, 16, generator=gen).requires_grad_()
+    x = torch.randn(2, 5, 16, generator=gen)
+    gu = torch.nn.functional.linear(x, w)
+    y = sw.swiglu(gu[..., :24], gu[..., 24:])
+    cot = torch.randn(y.shape, generator=gen)
+    (gw,) = torch.autograd.grad((y * cot).sum(), w)
+    gu = torch.nn.functional.linear(x, w)
+    (ref,) = torch.autograd.grad(((torch.nn.functional.silu(gu[..., :24]) * gu[..., 24:]) * cot).sum(), w)
+    assert taken == [(2, 5, 48)]
+    torch.testing.assert_close(gw, ref, rtol=1e-5, atol=1e-5)

@@ -72,13 +72,24 @@ def gemv(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor = None, block_n: int
     return y
 
 
-# Measured on one H200 (examples/benchmark_linear.py, docs/benchmarks.md): the (N, K, SwiGLU) decode shapes where
-# the GEMV beat cuBLAS at one row, with the winning (block_n, block_k, num_warps, num_stages). Every other shape,
-# and more than one row, goes to cuBLAS. POLYFUSE_GEMV_TABLE=<json> replaces the table (for tuning runs): a list of
-# [N, K, swiglu, block_n, block_k, num_warps, num_stages].
+# Measured on one H200 (examples/benchmark_linear.py; docs/benchmarks.md has the table): the (N, K, SwiGLU) decode
+# shapes where the GEMV beat cuBLAS at one row by more than 2%, with the winning (block_n, block_k, num_warps,
+# num_stages). Every other shape, and more than one row, goes to cuBLAS. POLYFUSE_GEMV_TABLE=<json> replaces the
+# table (for tuning runs): a list of [N, K, swiglu, block_n, block_k, num_warps, num_stages].
 TUNED = {
-    (4096, 4096, False): (8, 1024, 4, 2),  # Llama-3-8B o_proj: 11.5 us against cuBLAS's 13.5 (split-K + reduce)
-    (4096, 14336, True): (16, 1024, 8, 2),  # Llama-3-8B down_proj with SwiGLU: 31.1 us against 32.4 (2 kernels)
+    # Llama-3-8B: qkv, o, gate/up, down (plain and with SwiGLU folded in), LM head
+    (6144, 4096, False): (4, 4096, 8, 2),
+    (4096, 4096, False): (4, 4096, 8, 2),
+    (28672, 4096, False): (4, 4096, 8, 2),
+    (4096, 14336, False): (8, 2048, 4, 3),
+    (4096, 14336, True): (8, 512, 8, 2),
+    (128256, 4096, False): (8, 2048, 4, 2),
+    # Llama-2-70B: qkv, o, gate/up, down (plain and with SwiGLU)
+    (10240, 8192, False): (4, 4096, 8, 3),
+    (8192, 8192, False): (4, 4096, 8, 2),
+    (57344, 8192, False): (4, 4096, 8, 2),
+    (8192, 28672, False): (4, 4096, 8, 2),
+    (8192, 28672, True): (32, 512, 4, 3),
 }
 
 

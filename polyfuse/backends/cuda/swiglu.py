@@ -1,7 +1,10 @@
 """SwiGLU ``silu(gate) * up`` in Triton, forward and backward, math in fp32 with one rounding.
 
 gate and up may be strided views of one fused [..., 2I] projection: rows may have any stride, the last dim must be
-contiguous (it is made so otherwise). The output and the gradients are new contiguous tensors.
+contiguous (it is made so otherwise). The output and the gradients are new contiguous tensors. When gate and up are
+the two halves of one contiguous tensor that needs a gradient, the autograd node takes that tensor itself and the
+backward writes its gradient whole: autograd would otherwise build it from the two halves' gradients (two
+zero-filled [..., 2I] buffers, two copies and an add per layer).
 """
 
 import torch
@@ -69,31 +72,64 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        i = gate.shape[-1]
-        g2, u2, dy2 = _rows(gate), _rows(up), _rows(dy)
-        dg = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-        du = torch.empty(u2.shape, dtype=up.dtype, device=up.device)
-        if dg.numel():
-            block = _block(i)
-            grid = (g2.shape[0], triton.cdiv(i, block))
-            _swiglu_bwd_kernel[grid](
-                dy2,
-                g2,
-                u2,
-                dg,
-                du,
-                dy2.stride(0),
-                g2.stride(0),
-                u2.stride(0),
-                dg.stride(0),
-                du.stride(0),
-                i,
-                BLOCK=block,
-                num_warps=4,
-            )
-        return dg.view(gate.shape), du.view(up.shape)
+        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        _backward_into(dy, gate, up, dg, du)
+        return dg, du
+
+
+class _SwiGLUHalves(torch.autograd.Function):
+    """silu(x[..., :I]) * x[..., I:] with x's gradient written in one buffer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        i = x.shape[-1] // 2
+        ctx.save_for_backward(x)
+        return swiglu_forward(x[..., :i], x[..., i:])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        i = x.shape[-1] // 2
+        dx = torch.empty_like(x)
+        _backward_into(dy, x[..., :i], x[..., i:], dx[..., :i], dx[..., i:])
+        return dx
+
+
+def _backward_into(dy, gate, up, dg, du) -> None:
+    """Write d(gate) and d(up) into ``dg`` / ``du`` (row-strided views with a contiguous last dim)."""
+    i = gate.shape[-1]
+    g2, u2, dy2 = _rows(gate), _rows(up), _rows(dy)
+    dg, du = dg.view(-1, i), du.view(-1, i)  # views (never copies): the kernel writes the caller's memory
+    if not dg.numel():
+        return
+    block = _block(i)
+    grid = (g2.shape[0], triton.cdiv(i, block))
+    _swiglu_bwd_kernel[grid](
+        dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0), i,
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+
+
+def _fused_source(gate: torch.Tensor, up: torch.Tensor):
+    """The [..., 2I] tensor whose halves are gate and up, when there is one (contiguous, needing a gradient)."""
+    base = gate._base
+    i = gate.shape[-1]
+    if base is None or up._base is not base or not base.requires_grad or not base.is_contiguous():
+        return None
+    if base.numel() != 2 * gate.numel() or gate.stride() != up.stride() or gate.stride(-1) != 1:
+        return None
+    if gate.stride(-2) != 2 * i or not base.view(-1, 2 * i)[:, :i].view(gate.shape).stride() == gate.stride():
+        return None
+    if gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + i * base.element_size():
+        return None
+    return base.view(*gate.shape[:-1], 2 * i)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; differentiable in gate and up."""
+    if torch.is_grad_enabled() and gate.shape == up.shape and gate.dim() > 1:
+        x = _fused_source(gate, up)
+        if x is not None:
+            return _SwiGLUHalves.apply(x)
     return _SwiGLU.apply(gate, up)
