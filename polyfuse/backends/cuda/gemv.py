@@ -84,6 +84,15 @@ TUNED = {
     (4096, 14336, False): (8, 2048, 4, 3),
     (4096, 14336, True): (8, 512, 8, 2),
     (128256, 4096, False): (8, 2048, 4, 2),
+    # Llama-2-7B (its o_proj is the 8B's): qkv, gate/up, down (plain and with SwiGLU), LM head
+    (12288, 4096, False): (4, 4096, 8, 3),
+    (22016, 4096, False): (4, 4096, 8, 3),
+    (4096, 11008, False): (4, 4096, 8, 2),
+    (4096, 11008, True): (32, 1024, 8, 2),
+    (32000, 4096, False): (4, 4096, 8, 2),
+    # Llama-2-13B: only down won (qkv, o, gate/up and the LM head stay on cuBLAS)
+    (5120, 13824, False): (4, 4096, 8, 3),
+    (5120, 13824, True): (8, 512, 8, 3),
     # Llama-2-70B: qkv, o, gate/up, down (plain and with SwiGLU)
     (10240, 8192, False): (4, 4096, 8, 3),
     (8192, 8192, False): (4, 4096, 8, 2),

@@ -5,7 +5,8 @@ the native ``hidden @ weight.t()``); a Triton kernel computes each row's loss (o
 overwrites the logits with d loss_row / d logits (softmax - one_hot, zero for ignored rows); then
 ``grad_hidden[chunk] = dlogits @ W`` and ``grad_W += dlogits.T @ h_chunk`` are accumulated right away (Liger's
 trick), so the backward only scales them by ``grad_output`` (and ``1 / n_valid`` for ``reduction="mean"``, applied
-as a tensor so nothing syncs with the host). grad_W is accumulated in fp32.
+as a tensor so nothing syncs with the host). grad_W is accumulated in fp32 (on CUDA by a GEMM with an fp32 output
+from bf16/fp16 inputs, ``torch.addmm(..., out_dtype=torch.float32)``, where torch provides it).
 """
 
 import torch
@@ -68,6 +69,26 @@ def _ce_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ign
     _ce_rows_kernel[(rows,)](logits, logits.stride(0), labels, loss, v, ignore_index, BLOCK=block, num_warps=8)
 
 
+_FP32_OUT_GEMM: dict = {}  # device -> whether addmm with out_dtype=float32 (bf16/fp16 in, fp32 out) works there
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b. Low-precision inputs: one cuBLAS GEMM that reads and writes the fp32 accumulator
+    (``out_dtype``) where torch has it, instead of a low-precision product, an fp32 copy of it and an add (three
+    passes over [V, H] per chunk)."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _FP32_OUT_GEMM.get(acc.device, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_GEMM[acc.device] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_GEMM[acc.device] = False
+    acc += (a @ b).float()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk):
@@ -92,10 +113,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_h:
                 torch.mm(logits, w, out=grad_h[start:end])
             if need_w:
-                if dtype == torch.float32:
-                    grad_w.addmm_(logits.t(), h_c)
-                else:
-                    grad_w += (logits.t() @ h_c).float()
+                _accumulate(grad_w, logits.t(), h_c)
         total = loss_rows.sum()
         if reduction == "mean":
             scale = 1.0 / (labels != ignore_index).sum().to(torch.float32)
