@@ -56,6 +56,11 @@ def hf_twin(model):
     return hf
 
 
+def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
+    return dict(what="decode", impl=impl, **extra, shape=shape, bs=bs, tok_per_s=bs * 1e3 / ms, ms_per_step=ms,
+                warmup_s=warm, mem_max_GB=gb(peak))  # fmt: skip
+
+
 class StepTimer:
     """A logits processor that stamps each generation step (transformers syncs every step anyway)."""
 
@@ -283,16 +288,7 @@ def main():
                     set_kernels(model, flags, ",".join(o for o in (args.ops, extra) if o))
                 ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
                 kv = model.cache.nbytes() if model.cache is not None else 0
-                row = dict(
-                    what="decode",
-                    impl="polyfuse",
-                    shape=shape,
-                    bs=bs,
-                    tok_per_s=bs * 1e3 / ms,
-                    ms_per_step=ms,
-                    warmup_s=warm,
-                    mem_max_GB=gb(peak),
-                )
+                row = decode_row("polyfuse", shape, bs, ms, warm, peak)
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:
@@ -317,20 +313,7 @@ def main():
                             out,
                         )
                         continue
-                    log(
-                        dict(
-                            what="decode",
-                            impl="transformers",
-                            mode=mode,
-                            shape=shape,
-                            bs=bs,
-                            tok_per_s=bs * 1e3 / hms,
-                            ms_per_step=hms,
-                            warmup_s=hwarm,
-                            mem_max_GB=gb(hpeak),
-                        ),
-                        out,
-                    )
+                    log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode), out)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if shape == "llama2-70b-block" and hf is not None:
