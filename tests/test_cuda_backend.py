@@ -50,6 +50,20 @@ def test_cuda_context_picks_triton(dtype, training):
     assert "cuda:triton" in kernels.report()
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(training):
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, training=training))
+    for op in ("linear", "swiglu_linear"):
+        impl = kernels.choices[op].implementation
+        if training:  # inference-only ops: training keeps F.linear and its autograd
+            assert impl.name == registry.NATIVE
+        else:
+            assert (impl.backend, impl.name) == ("cuda", "triton_gemv")
+            assert kernels.fused(op)
+    report = kernels.report()
+    assert ("Triton GEMV on the one-row shapes it was tuned for" in report) is not training
+
+
 def test_attention_needs_the_flag():
     kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16))
     assert kernels.choices["attention"].implementation.name == registry.NATIVE
