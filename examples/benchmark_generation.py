@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from polyfuse.bench.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
 from polyfuse.bench.shapes import config_for  # noqa: E402
 from polyfuse.models.llama import LlamaForCausalLM  # noqa: E402
-from polyfuse.models.llama.loading import hf_state_items  # noqa: E402
+from polyfuse.models.llama.loading import hf_state_items, set_kernels  # noqa: E402
 
 
 def log(row: dict, out) -> None:
@@ -59,6 +59,11 @@ def hf_twin(model):
 def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
     return dict(what="decode", impl=impl, **extra, shape=shape, bs=bs, tok_per_s=bs * 1e3 / ms, ms_per_step=ms,
                 warmup_s=warm, mem_max_GB=gb(peak))  # fmt: skip
+
+
+def prefill_row(impl, attention, shape, batch, length, seconds, extra_bytes) -> dict:
+    return dict(what="prefill", impl=impl, attention=attention, shape=shape, batch=batch, L=length,
+                ms=1e3 * seconds, peak_extra_GB=gb(extra_bytes))  # fmt: skip
 
 
 class StepTimer:
@@ -132,19 +137,8 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
         model.allocate_cache(batch, length)
         s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
         model.cache = None
-        log(
-            dict(
-                what="prefill",
-                impl="polyfuse",
-                attention=model.kernels.choices["attention"].implementation.name,
-                shape=shape,
-                batch=batch,
-                L=length,
-                ms=1e3 * s,
-                peak_extra_GB=gb(extra),
-            ),
-            out,
-        )
+        attention = model.kernels.choices["attention"].implementation.name
+        log(prefill_row("polyfuse", attention, shape, batch, length, s, extra), out)
         if hf is not None:
             for attn in ("sdpa", "eager"):
                 if attn == "eager" and batch * length > 8 * 4096:
@@ -153,19 +147,7 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 s, extra = _timed_peak(device, lambda: hf(ids), reps=3 if batch > 1 else 5, warmup=1)
-                log(
-                    dict(
-                        what="prefill",
-                        impl="transformers",
-                        attention=attn,
-                        shape=shape,
-                        batch=batch,
-                        L=length,
-                        ms=1e3 * s,
-                        peak_extra_GB=gb(extra),
-                    ),
-                    out,
-                )
+                log(prefill_row("transformers", attn, shape, batch, length, s, extra), out)
             hf.set_attn_implementation("sdpa")
 
 
@@ -269,8 +251,6 @@ def main():
             out,
         )
         if args.profile and device.type == "cuda":
-            from polyfuse.models.llama.loading import set_kernels
-
             set_kernels(model, {k: v for k, v in flags.items() if k != "use_cuda_graphs"}, args.ops)
             profile_decode(model, device)
             set_kernels(model, flags, args.ops)
@@ -283,8 +263,6 @@ def main():
                 if blas:
                     torch.backends.cuda.preferred_blas_library(blas)
                 if blas or extra:  # a fresh resolution also drops graphs captured under other kernels
-                    from polyfuse.models.llama.loading import set_kernels
-
                     set_kernels(model, flags, ",".join(o for o in (args.ops, extra) if o))
                 ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
                 kv = model.cache.nbytes() if model.cache is not None else 0
@@ -298,8 +276,6 @@ def main():
                 model.cache = None
             if len(variants) > 1:
                 torch.backends.cuda.preferred_blas_library("cublas")
-                from polyfuse.models.llama.loading import set_kernels
-
                 set_kernels(model, flags, args.ops)
             if hf is not None and shape in args.peer_shapes.split(",") and str(bs) in args.peer_batch_sizes.split(","):
                 for mode in peers:
@@ -338,9 +314,7 @@ def main():
                 bench_prefill(model, hf, L, 1, device, out, shape)
             if args.attn_memory:
                 bench_prefill(model, hf, 4096, 8, device, out, shape)
-                model.kernels.choices  # same model, eager attention for the comparison:
-                from polyfuse.models.llama.loading import set_kernels
-
+                # same model, eager attention for the comparison:
                 set_kernels(model, {k: v for k, v in flags.items() if k != "use_flash_attention"}, args.ops)
                 bench_prefill(model, None, 4096, 8, device, out, shape)
                 set_kernels(model, flags, args.ops)

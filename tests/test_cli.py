@@ -36,6 +36,22 @@ def tiny_folder(tmp_path_factory, tokenizer):
     return write_tiny_cli_model(str(tmp_path_factory.mktemp("tiny_llama")), tokenizer, max_position_embeddings=32)
 
 
+def _write_gguf(path: Path, arch: str, **metadata) -> Path:
+    """A one-block GGUF with a [4, 8] embedding and the given metadata (``add_<key>(value)`` of GGUFWriter)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for key, value in metadata.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def run_main(capsys, *argv):
     rc = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -226,19 +242,7 @@ def test_truncated_safetensors(capsys, tmp_path, tiny_folder):
 
 
 def test_gguf_of_another_architecture(capsys, tmp_path):
-    import gguf
-
-    path = tmp_path / "tiny-gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_block_count(1)
-    w.add_context_length(32)
-    w.add_embedding_length(8)
-    w.add_head_count(2)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _write_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2", context_length=32, embedding_length=8, head_count=2)
     rc, out, err = run_main(capsys, "--model_name_or_path", tmp_path, "--gguf_file", path.name, *FAST)
     assert_one_error(rc, out, err, "GGUF architecture 'gpt2' is not supported")
 
@@ -268,15 +272,6 @@ def test_invalid_config_values_give_one_line(capsys, tmp_path):
 
 
 def test_llama_gguf_with_missing_metadata(capsys, tmp_path):
-    import gguf
-
-    path = tmp_path / "incomplete-llama.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _write_gguf(tmp_path / "incomplete-llama.gguf", "llama")
     rc, out, err = run_main(capsys, "--model_name_or_path", tmp_path, "--gguf_file", path.name, *FAST)
     assert_one_error(rc, out, err, path.name)

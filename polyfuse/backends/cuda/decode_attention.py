@@ -10,6 +10,8 @@ reset by that program) rescales the partials to a common max and writes the outp
 Other shapes (Lq > 1), boolean masks and calls that need gradients go to ``sdpa_attention``.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -146,8 +148,13 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def _n_splits(device: torch.device, b: int, hkv: int, lk: int, block_n: int):
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    sms = _sm_count(device)
     blocks = -(-lk // block_n)
     n_splits = max(1, min(blocks, -(-4 * sms // (b * hkv)), 128))
     split_len = -(-blocks // n_splits) * block_n

@@ -113,17 +113,16 @@ def _backward_into(dy, gate, up, dg, du) -> None:
 
 def _fused_source(gate: torch.Tensor, up: torch.Tensor):
     """The [..., 2I] tensor whose halves are gate and up, when there is one (contiguous, needing a gradient)."""
-    base = gate._base
-    i = gate.shape[-1]
+    base, i = gate._base, gate.shape[-1]
     if base is None or up._base is not base or not base.requires_grad or not base.is_contiguous():
         return None
-    if base.numel() != 2 * gate.numel() or gate.stride() != up.stride() or gate.stride(-1) != 1:
+    if base.numel() != 2 * gate.numel():
         return None
-    if gate.stride(-2) != 2 * i or not base.view(-1, 2 * i)[:, :i].view(gate.shape).stride() == gate.stride():
+    x = base.view(*gate.shape[:-1], 2 * i)
+    halves = x[..., :i], x[..., i:]
+    if any(h.data_ptr() != t.data_ptr() or h.stride() != t.stride() for h, t in zip(halves, (gate, up))):
         return None
-    if gate.data_ptr() != base.data_ptr() or up.data_ptr() != base.data_ptr() + i * base.element_size():
-        return None
-    return base.view(*gate.shape[:-1], 2 * i)
+    return x
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

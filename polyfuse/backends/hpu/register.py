@@ -31,47 +31,18 @@ def _probe(module: str, name: str):
     return probe
 
 
+def _impl(op: str, name: str, fn, module: str, attr: str) -> Implementation:
+    """A Habana kernel implementation (with backward), usable when ``module.attr`` imports."""
+    return Implementation(
+        op, name, BACKEND, DEVICES, fn, priority=PRIORITY, probe=_probe(module, attr), supports_backward=True
+    )
+
+
 IMPLEMENTATIONS = [
-    Implementation(
-        "attention",
-        "fused_sdpa",
-        BACKEND,
-        DEVICES,
-        fused_sdpa,
-        priority=PRIORITY,
-        probe=_probe(_habana.KERNELS, "FusedSDPA"),
-        supports_backward=True,
-    ),
-    Implementation(
-        "rms_norm",
-        "fused_rms_norm",
-        BACKEND,
-        DEVICES,
-        fused_rms_norm,
-        priority=PRIORITY,
-        probe=_probe(_habana.NORMALIZATION, "FusedRMSNorm"),
-        supports_backward=True,
-    ),
-    Implementation(
-        "add_rms_norm",
-        "fused_add_rms_norm",
-        BACKEND,
-        DEVICES,
-        fused_add_rms_norm,
-        priority=PRIORITY,
-        probe=_probe(_habana.NORMALIZATION, "FusedRMSNorm"),
-        supports_backward=True,
-    ),
-    Implementation(
-        "rotary",
-        "fused_rope",
-        BACKEND,
-        DEVICES,
-        fused_rope,
-        priority=PRIORITY,
-        probe=_probe(_habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
-        supports_backward=True,
-    ),
+    _impl("attention", "fused_sdpa", fused_sdpa, _habana.KERNELS, "FusedSDPA"),
+    _impl("rms_norm", "fused_rms_norm", fused_rms_norm, _habana.NORMALIZATION, "FusedRMSNorm"),
+    _impl("add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm, _habana.NORMALIZATION, "FusedRMSNorm"),
+    _impl("rotary", "fused_rope", fused_rope, _habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
 ]
 
 for _impl in IMPLEMENTATIONS:
