@@ -23,8 +23,9 @@ import torch  # noqa: E402
 
 from polyfuse.bench.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
 from polyfuse.bench.shapes import config_for  # noqa: E402
-from polyfuse.models.llama import LlamaForCausalLM  # noqa: E402
-from polyfuse.models.llama.loading import hf_state_items, set_kernels  # noqa: E402
+from polyfuse.engine.generation import ensure_cache  # noqa: E402
+from polyfuse.engine.loading import hf_state_items, set_kernels  # noqa: E402
+from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 
 
 def log(row: dict, out) -> None:
@@ -39,11 +40,11 @@ def gb(x):
 
 
 def hf_twin(model):
-    """transformers' Llama sharing the polyfuse model's weight storage (no copy)."""
+    """transformers' model of the same family sharing the polyfuse model's weight storage (no copy)."""
     import transformers
 
     with torch.device("meta"):
-        hf = transformers.LlamaForCausalLM(model.config)
+        hf = getattr(transformers, model.hf_architecture)(model.config)
     state = dict(hf_state_items(model))
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -134,7 +135,7 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     pos = torch.arange(length, device=device)[None].expand(batch, length)
     with torch.inference_mode():
-        model.allocate_cache(batch, length)
+        ensure_cache(model, batch, length)
         s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
         model.cache = None
         attention = model.kernels.choices["attention"].implementation.name
@@ -170,7 +171,7 @@ def bench_load(model, device, out):
         del model
         torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        m = LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device=device)
+        m = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device=device)
         ours = time.perf_counter() - t0
         del m
         torch.cuda.empty_cache()
@@ -236,7 +237,7 @@ def main():
         shapes.append("llama2-70b-block")
     for shape in shapes:
         cfg = config_for(shape)
-        model = LlamaForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
         model.eval()
         wb = weight_bytes(model)
         wb_read = weight_bytes(model, exclude_embedding=True)

@@ -86,8 +86,8 @@ def main():
     if not torch.cuda.is_available():
         print("benchmark_linear.py: error: needs an NVIDIA GPU", file=sys.stderr)
         raise SystemExit(2)
-    from polyfuse.backends.cuda.gemv import gemv
-    from polyfuse.backends.cuda.swiglu import swiglu
+    from polyfuse.backends.triton.gemv import gemv
+    from polyfuse.backends.triton.swiglu import swiglu
 
     out = open(args.output, "a") if args.output else None
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -13,6 +13,7 @@ The saved folder loads with transformers.AutoModelForCausalLM.from_pretrained.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -23,10 +24,14 @@ from typing import Optional
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-from transformers import HfArgumentParser, default_data_collator  # noqa: E402
+try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 130 without a traceback
+    import torch
+    from transformers import HfArgumentParser, default_data_collator
 
-from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments  # noqa: E402
+    from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments
+except KeyboardInterrupt:
+    print("run_clm.py: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 PROG = "run_clm.py"
@@ -72,6 +77,12 @@ def parse_args(argv=None):
         _fail(f"--model_impl must be 'transformers' or 'polyfuse', got {script.model_impl!r}")
     if script.block_size < 2:
         _fail("--block_size must be at least 2")
+    if targs.max_steps == 0:
+        # transformers gives 0 no meaning of its own (> 0: that many steps, < 0: --num_train_epochs decides), and
+        # Trainer then runs one step and writes a full checkpoint.
+        _fail("--max_steps must be > 0 (or -1 to train for --num_train_epochs)")
+    if targs.max_steps < 0 and not targs.num_train_epochs > 0:
+        _fail(f"--num_train_epochs must be > 0 when --max_steps is not set, got {targs.num_train_epochs}")
     if not os.path.isfile(script.train_file):
         _fail(f"--train_file {script.train_file!r} does not exist")
     if script.model_name_or_path is not None and not os.path.isdir(script.model_name_or_path):
@@ -118,22 +129,24 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
                 _fail(f"--config_overrides: {type(config).__name__} has no field {k!r}")
             setattr(config, k, v)
         if script.model_impl == "polyfuse":
-            from polyfuse.models.llama import LlamaForCausalLM
+            from polyfuse.models import AutoModelForCausalLM as PolyfuseAuto
 
-            return LlamaForCausalLM.from_config(
+            return PolyfuseAuto.from_config(
                 config, dtype=dtype, device=targs.device, flags=targs.polyfuse_flags(),
                 overrides=targs.polyfuse_overrides(), training=True,
             ), tokenizer  # fmt: skip
-        return AutoModelForCausalLM.from_config(config, dtype=dtype), tokenizer
+        with _rope_checked(config):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype), tokenizer
     if script.model_impl == "polyfuse":
-        from polyfuse.models.llama import LlamaForCausalLM
+        from polyfuse.models import AutoModelForCausalLM as PolyfuseAuto
 
-        model = LlamaForCausalLM.from_pretrained(
+        model = PolyfuseAuto.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=targs.device, flags=targs.polyfuse_flags(),
             overrides=targs.polyfuse_overrides(), training=True,
         )  # fmt: skip
         return model, tokenizer
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    with _rope_checked(lambda: AutoConfig.from_pretrained(path, **kw)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     if gguf:
         # transformers dequantizes GGUF weights into ordinary parameters but still tags the model as quantized,
         # which Trainer refuses to fine-tune; nothing is quantized any more, so drop the tag (and from the config,
@@ -144,6 +157,20 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _rope_checked(config):
+    """transformers' models look the rope type up in ROPE_INIT_FUNCTIONS when built: an unknown one is a bare
+    KeyError. Turn it into polyfuse's one-line ValueError naming the known types (``config``: a config, or a
+    callable loading it, called only then)."""
+    try:
+        yield
+    except KeyError:
+        from polyfuse.engine.rope import check_rope_type
+
+        check_rope_type(config() if callable(config) else config)
+        raise
 
 
 def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
@@ -161,7 +188,7 @@ def main(argv=None) -> int:
     try:
         return train(script, targs)
     except (ValueError, OSError) as e:  # bad checkpoints and arguments found late: one line, no traceback
-        from polyfuse.models.llama.config import one_line
+        from polyfuse.core.errors import one_line
 
         _fail(one_line(e) or type(e).__name__)
 
@@ -170,8 +197,9 @@ def train(script, targs) -> int:
     model, tokenizer = load_model_and_tokenizer(script, targs)
     train_dataset = build_dataset(tokenizer, script.train_file, script.block_size)
     trainer = PolyfuseTrainer(
-        model=model, args=targs, train_dataset=train_dataset, data_collator=default_data_collator
-    )
+        model=model, args=targs, train_dataset=train_dataset, data_collator=default_data_collator,
+        processing_class=tokenizer,  # every checkpoint-N folder gets the tokenizer too
+    )  # fmt: skip
     result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
     trainer.save_model(targs.output_dir)
     if trainer.is_world_process_zero():
@@ -185,4 +213,8 @@ def train(script, targs) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,4 +1,4 @@
-"""polyfuse: one Llama code base, fused ops chosen per device by a registry.
+"""polyfuse: Llama-family models (Llama, Mistral, Qwen2, Qwen3) on fused ops chosen per device by a registry.
 
 Light to import: the model, the patch and the trainer load on first use.
 """
@@ -6,13 +6,17 @@ Light to import: the model, the patch and the trainer load on first use.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LlamaForCausalLM": "polyfuse.models.llama",
+    "AutoModelForCausalLM": "polyfuse.models",
+    "LlamaForCausalLM": "polyfuse.models",
+    "MistralForCausalLM": "polyfuse.models",
+    "Qwen2ForCausalLM": "polyfuse.models",
+    "Qwen3ForCausalLM": "polyfuse.models",
     "patch": "polyfuse.patch",
     "unpatch": "polyfuse.patch",
     "PolyfuseTrainer": "polyfuse.training",
     "PolyfuseTrainingArguments": "polyfuse.training",
-    "resolve": "polyfuse.backends.registry",
-    "SelectionContext": "polyfuse.backends.registry",
+    "resolve": "polyfuse.core",
+    "SelectionContext": "polyfuse.core",
 }
 
 __all__ = list(_LAZY)

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    from polyfuse.engine.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
-    from polyfuse.models.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(*builtin_model())
@@ -98,7 +98,7 @@ def test_builtin_paris_end_to_end(tmp_path, tokenizer):
     assert "Traceback" not in out + err
     assert "Paris" in out
     # The backend report (--print_backends): one line per op.
-    assert re.search(r"^polyfuse backends \(device=cpu, dtype=float32\):$", out, re.M)
+    assert re.search(r"^polyfuse backends \(device=cpu, platform=cpu, dtype=float32\):$", out, re.M)
     for op in ("rms_norm", "add_rms_norm", "attention", "rotary", "swiglu", "linear_cross_entropy"):
         assert re.search(rf"^  {op}\s+native:native\s+\S", out, re.M), op
     assert "--use_flash_attention not set" in out
@@ -223,7 +223,7 @@ def test_corrupt_config(capsys, tmp_path):
 def test_non_llama_architecture(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     rc, out, err = run_main(capsys, "--model_name_or_path", tmp_path, *FAST)
-    assert_one_error(rc, out, err, "gpt2", "not supported", "Llama")
+    assert_one_error(rc, out, err, "gpt2", "not supported", "llama, mistral, qwen2, qwen3")
 
 
 def test_corrupt_safetensors(capsys, tmp_path, tiny_folder):
@@ -244,7 +244,7 @@ def test_truncated_safetensors(capsys, tmp_path, tiny_folder):
 def test_gguf_of_another_architecture(capsys, tmp_path):
     path = _write_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2", context_length=32, embedding_length=8, head_count=2)
     rc, out, err = run_main(capsys, "--model_name_or_path", tmp_path, "--gguf_file", path.name, *FAST)
-    assert_one_error(rc, out, err, "GGUF architecture 'gpt2' is not supported")
+    assert_one_error(rc, out, err, "model_type gpt2 is not supported", "llama, mistral, qwen2, qwen3")
 
 
 def test_missing_gguf_file(capsys, tmp_path):
@@ -267,7 +267,7 @@ def test_config_json_not_an_object(capsys, tmp_path):
 def test_invalid_config_values_give_one_line(capsys, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
     rc, out, err = run_main(capsys, "--model_name_or_path", tmp_path, *FAST)
-    line = assert_one_error(rc, out, err, "invalid Llama config", "hidden_size")
+    line = assert_one_error(rc, out, err, "invalid llama config", "hidden_size")
     assert err.strip() == line, "the error message spans several lines"
 
 

@@ -38,3 +38,33 @@ def test_compiled_ops_do_not_recompile_while_decoding():
     model.generate(ids, max_new_tokens=12, ignore_eos=True)
     assert counters["stats"]["unique_graphs"] == again, "the same generate call recompiled"
     assert torch.equal(out, eager_ids), "compiled ops changed the greedy tokens"
+
+
+def test_lazily_imported_implementations_compile_once_each(monkeypatch):
+    """Backends register lazily imported kernels through one wrapper (polyfuse.core.plugins.lazy_function): one code
+    object shared by every op. Compiled as is, dynamo counts each op as a recompile of that one frame and gives up
+    at its recompile limit (issue 14: "hit config.recompile_limit (8) ... function: 'fn'" on the GPU). Each op must
+    compile as its own frame: with the limit at 1, two such ops compile to two graphs and nothing falls back."""
+    from polyfuse.core import registry
+    from polyfuse.core.plugins import lazy_function
+    from polyfuse.core.registry import Implementation, SelectionContext
+
+    registry.ops()
+    monkeypatch.setattr(registry, "_IMPLS", {op: list(impls) for op, impls in registry._IMPLS.items()})
+    for op, module, attr in (("rms_norm", "polyfuse.ops.rms_norm", "rms_norm_native"),
+                             ("swiglu", "polyfuse.ops.swiglu", "swiglu_native")):  # fmt: skip
+        fn = lazy_function(module, attr)
+        registry.register(Implementation(op, "lazy_" + op, "test", ("cpu",), fn, priority=500, supports_backward=True))
+    kernels = registry.resolve(SelectionContext(torch.device("cpu")))
+    assert kernels.choices["rms_norm"].implementation.name == "lazy_rms_norm"
+    assert kernels.rms_norm.__code__ is kernels.swiglu.__code__, "the test needs the shared wrapper"
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = kernels.compiled(backend="eager")
+    x, w = torch.randn(4, 8), torch.rand(8) + 0.5
+    for _ in range(3):
+        torch.testing.assert_close(compiled.rms_norm(x, w, 1e-6), kernels.rms_norm(x, w, 1e-6))
+        torch.testing.assert_close(compiled.swiglu(x, x), kernels.swiglu(x, x))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not any("recompile limit" in k for k in counters["unimplemented"]), dict(counters["unimplemented"])

@@ -1,4 +1,5 @@
-"""Selection of the NVIDIA implementations on a fake CUDA context (no GPU needed: probes are plain functions)."""
+"""Selection of the NVIDIA implementations (the ``triton`` and ``cuda`` plugins) on a fake CUDA context of an H200
+(no GPU needed: probes are plain functions)."""
 
 import subprocess
 import sys
@@ -6,12 +7,22 @@ import sys
 import pytest
 import torch
 
-from polyfuse.backends import registry
-from polyfuse.backends.cuda import register as cuda_register
-from polyfuse.backends.registry import SelectionContext
+from polyfuse.backends.triton import register as triton_register
+from polyfuse.core import registry
+from polyfuse.core.platform import Platform
+from polyfuse.core.registry import SelectionContext as Ctx
 
 
 CUDA = torch.device("cuda")
+H200 = Platform("cuda", "cuda", "NVIDIA H200", (9, 0))
+
+
+def SelectionContext(device, *args, **kw):  # noqa: N802  (the context of a run on an H200 unless told otherwise)
+    if torch.device(device).type == "cuda":
+        kw.setdefault("platform", H200)
+    return Ctx(device, *args, **kw)
+
+
 TRITON_OPS = {
     "rms_norm": "triton",
     "add_rms_norm": "triton",
@@ -22,7 +33,12 @@ TRITON_OPS = {
 
 
 def _cuda_impls():
-    return {(i.op, i.name): i for op in registry.ops() for i in registry.implementations(op) if i.backend == "cuda"}
+    return {
+        (i.op, i.name): i
+        for op in registry.ops()
+        for i in registry.implementations(op)
+        if i.backend in ("cuda", "triton")
+    }
 
 
 def test_everything_registered_for_cuda_only():
@@ -35,19 +51,24 @@ def test_everything_registered_for_cuda_only():
     for impl in impls.values():
         assert impl.devices == ("cuda",)
         assert impl.probe is not None
+        # Portable Triton kernels also serve ROCm; the NVIDIA-only pieces (SDPA choice, tuned GEMV) do not.
+        assert impl.platforms == (("cuda", "rocm") if impl.backend == "triton" else ("cuda",))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("training", [False, True])
 def test_cuda_context_picks_triton(dtype, training):
-    assert cuda_register.triton_unusable() is None, "triton should import in the dev env"
+    assert triton_register.triton_unusable() is None, "triton should import in the dev env"
     kernels = registry.resolve(SelectionContext(CUDA, dtype, flags={"use_flash_attention": True}, training=training))
     for op, name in TRITON_OPS.items():
         choice = kernels.choices[op]
-        assert (choice.implementation.backend, choice.implementation.name) == ("cuda", name), choice.reason
-    # Inference: the split-K decode kernel (it sends Lq > 1 to SDPA itself); training: SDPA (decode has no backward).
-    assert kernels.choices["attention"].implementation.name == ("sdpa_flash" if training else "triton_decode")
-    assert "cuda:triton" in kernels.report()
+        assert (choice.implementation.backend, choice.implementation.name) == ("triton", name), choice.reason
+    # Inference: the split-K decode kernel (it declines Lq > 1, which goes to SDPA); training: SDPA (no backward).
+    attention = kernels.choices["attention"]
+    assert attention.implementation.name == ("sdpa_flash" if training else "triton_decode")
+    if not training:
+        assert [i.name for i in attention.then] == ["sdpa_flash"]
+    assert "triton:triton" in kernels.report()
 
 
 @pytest.mark.parametrize("training", [False, True])
@@ -59,9 +80,26 @@ def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(tr
             assert impl.name == registry.NATIVE
         else:
             assert (impl.backend, impl.name) == ("cuda", "triton_gemv")
-            assert kernels.fused(op)
     report = kernels.report()
-    assert ("Triton GEMV on the one-row shapes it was tuned for" in report) is not training
+    assert ("Triton GEMV on the one-row shapes tuned for this GPU" in report) is not training
+
+
+def test_gemv_table_applies_only_to_the_gpu_it_was_tuned_on(monkeypatch):
+    from polyfuse.backends.cuda import gemv_table
+
+    monkeypatch.setattr(gemv_table, "TABLE", {})
+    other = Platform("cuda", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, platform=other))
+    assert kernels.choices["linear"].implementation.name == registry.NATIVE
+    assert "no GEMV table tuned for NVIDIA A100" in kernels.choices["linear"].reason
+    rocm = Platform("rocm", "cuda", "AMD Instinct MI300X", (9, 4))
+    kernels = registry.resolve(
+        SelectionContext(CUDA, torch.bfloat16, flags={"use_flash_attention": True}, platform=rocm)
+    )
+    assert kernels.choices["linear"].implementation.name == registry.NATIVE
+    assert kernels.choices["rms_norm"].implementation.backend == "triton"  # portable
+    assert kernels.choices["attention"].implementation.name == "triton_decode"
+    assert kernels.choices["attention"].then == []  # no SDPA choice on ROCm: declined calls go to native
 
 
 def test_attention_needs_the_flag():
@@ -82,9 +120,9 @@ def test_probe_values():
     impls = _cuda_impls()
     ok = SelectionContext(CUDA, torch.bfloat16)
     for impl in impls.values():
-        assert impl.probe(ok) is None, impl.name
-        assert impl.probe(SelectionContext(CUDA, torch.float64)) == "dtype float64 unsupported"
-        assert "needs device cuda" in impl.probe(SelectionContext(torch.device("cpu"), torch.float32))
+        assert impl.unusable_reason(ok) is None, impl.name
+        assert impl.unusable_reason(SelectionContext(CUDA, torch.float64)) == "dtype float64 unsupported"
+        assert "needs device cuda" in impl.unusable_reason(SelectionContext(torch.device("cpu"), torch.float32))
 
 
 def test_cpu_and_hpu_contexts_never_pick_cuda():
@@ -93,11 +131,11 @@ def test_cpu_and_hpu_contexts_never_pick_cuda():
             SelectionContext(torch.device(device), torch.bfloat16, flags={"use_flash_attention": True})
         )
         for choice in kernels.choices.values():
-            assert choice.implementation.backend != "cuda"
+            assert choice.implementation.backend not in ("cuda", "triton")
 
 
 def test_triton_missing_falls_back(monkeypatch):
-    monkeypatch.setattr(cuda_register, "triton_unusable", lambda: "triton not importable (ImportError: test)")
+    monkeypatch.setattr(triton_register, "triton_unusable", lambda: "triton not importable (ImportError: test)")
     kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, flags={"use_flash_attention": True}))
     for op in TRITON_OPS:
         assert kernels.choices[op].implementation.name == registry.NATIVE
@@ -127,7 +165,7 @@ def test_import_does_not_load_triton_and_survives_without_it():
         "            raise ImportError('blocked for the test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import torch, polyfuse\n"
-        "from polyfuse.backends import registry\n"
+        "from polyfuse.core import registry\n"
         "registry.ops()\n"
         "assert 'triton' not in sys.modules\n"
         "k = registry.resolve(registry.SelectionContext(torch.device('cuda'), torch.bfloat16))\n"

@@ -6,8 +6,9 @@ import torch
 import transformers
 
 from polyfuse.bench.measure import weight_bytes
+from polyfuse.engine import generation
+from polyfuse.engine.loading import set_kernels
 from polyfuse.models.llama import LlamaForCausalLM
-from polyfuse.models.llama.loading import set_kernels
 
 
 pytestmark = pytest.mark.cuda
@@ -106,7 +107,9 @@ def test_graph_replay_matches_eager_exactly(pair):
     a = eager.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     b = graphed.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
-    step = graphed._steppers[3]  # (kernels, prefill, decode, token): greedy decoding replays the in-place token step
+    step = generation._STEPPERS[graphed][
+        3
+    ]  # (kernels, prefill, decode, token): greedy decoding replays the in-place token step
     assert step.inplace and len(step.graphs) == 1 and step.disabled_reason is None
     # Another batch size needs another cache: the old graphs (which point at the old cache) are dropped and the
     # step is captured anew for the new shapes, giving the eager tokens again.
@@ -141,12 +144,12 @@ def test_graphed_token_step_with_eos_matches_eager(pair):
         assert want.shape[1] < 21 + 40, "scenario not met: generation did not stop early"
         assert torch.equal(graphed.generate(ids, mask, **kw), want)
         assert torch.equal(graphed.generate(ids, mask, **kw), want)  # replays of the graphs captured above
-    token = graphed._steppers[3]
+    token = generation._STEPPERS[graphed][3]
     assert token.disabled_reason is None and token.graphs
     sample = dict(max_new_tokens=24, do_sample=True, top_k=20, ignore_eos=True)
     a = eager.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
     b = graphed.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
-    decode = graphed._steppers[2]
+    decode = generation._STEPPERS[graphed][2]
     assert not decode.inplace and decode.graphs and decode.disabled_reason is None
     assert torch.equal(a, b)
 
@@ -170,3 +173,25 @@ def test_torch_compile_flag_runs_on_gpu(pair):
     out = model.generate(ids, mask, max_new_tokens=16, ignore_eos=True)  # compiled ops through a whole generation
     assert out.shape == (3, 21 + 16)
     set_kernels(model, {})  # back to eager kernels
+
+
+def test_torch_compile_on_the_gpu_stays_within_the_recompile_limit(pair):
+    """issue 14: --torch_compile on the GPU hit dynamo's recompile limit ("function: 'fn' ... register.py"): every
+    lazily imported CUDA op shared one wrapper code object. Each op now compiles as its own frame; greedy tokens
+    equal the eager run."""
+    from torch._dynamo.utils import counters
+
+    _, _, path = pair
+    flags = {"use_flash_attention": True}
+    eager = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags).eval()
+    compiled = LlamaForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device="cuda", flags=dict(flags, torch_compile=True)
+    ).eval()
+    ids, mask = _prompts(1000, "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    want = eager.generate(ids, mask, max_new_tokens=12, ignore_eos=True)
+    got = compiled.generate(ids, mask, max_new_tokens=12, ignore_eos=True)
+    assert torch.equal(got, want)
+    assert counters["stats"]["unique_graphs"] > 0
+    assert not any("recompile limit" in k for k in counters["unimplemented"]), dict(counters["unimplemented"])

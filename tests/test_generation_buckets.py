@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers
 
+from polyfuse.engine.generation import bucketed, forget_steppers
 from polyfuse.models.llama import LlamaForCausalLM
-from polyfuse.models.llama.generation import bucketed
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +43,10 @@ def _kv_lengths(model, monkeypatch, **kw):
         return real(self, input_ids, position_ids, cache_position, key_mask, kv_len)
 
     monkeypatch.setattr(type(model), "step", spy)
-    model._steppers = None  # rebuild the step modules around the spy
+    forget_steppers(model)  # rebuild the step modules around the spy
     out = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, ignore_eos=True, **kw)
     monkeypatch.undo()
-    model._steppers = None
+    forget_steppers(model)
     return out, seen
 
 

@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from polyfuse.backends.cuda.graphs import GraphedStep
+from polyfuse.core.runtime import Step
+from polyfuse.engine.generation import TokenStep, _token_state, bucketed, ensure_cache, forget_steppers
 from polyfuse.models.llama import LlamaForCausalLM
-from polyfuse.models.llama.generation import TokenStep, _token_state, bucketed
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,9 @@ def model():
 
 @pytest.fixture(autouse=True)
 def fresh_steppers(model):
-    model._steppers = None
+    forget_steppers(model)
     yield
-    model._steppers = None
+    forget_steppers(model)
 
 
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [0, 16, 17, 18, 19, 20, 21]])
@@ -37,7 +38,7 @@ MASK = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 
 def reference(model, ids, mask, max_new_tokens, eos=(), pad=0, bucket_size=-1):
     """What generate() returns, written out: model.step + argmax per token, EOS rows padded, stop once all done."""
     b, n = ids.shape
-    model.allocate_cache(b, bucketed(n + max_new_tokens, bucket_size, 100))
+    ensure_cache(model, b, bucketed(n + max_new_tokens, bucket_size, 100))
     max_len = model.cache.max_len
     key_mask = torch.ones(b, max_len, dtype=torch.bool)
     key_mask[:, :n] = mask.bool()
@@ -67,12 +68,12 @@ def _first_eos(out, n, eos):
 def _old_path(model, *args, **kw):
     """generate() through the per-token loop (StepModule + argmax outside), as on runtimes without in-place decode."""
     model.runtime.inplace_decode = False
-    model._steppers = None
+    forget_steppers(model)
     try:
         return model.generate(*args, **kw)
     finally:
         del model.runtime.inplace_decode
-        model._steppers = None
+        forget_steppers(model)
 
 
 @pytest.mark.parametrize("bucket_size", [-1, 8])
@@ -191,7 +192,7 @@ def _graph_token_steps(model, monkeypatch):
 
     def graph_module(module, phase, flags):
         if phase != "token":
-            return module
+            return Step(module)
         made.append(GraphedStep(_Recorded(module), inplace=True))
         return made[-1]
 

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyfuse.backends import registry
 from polyfuse.backends.hpu import _habana
 from polyfuse.backends.hpu.attention import fused_sdpa
 from polyfuse.backends.hpu.optim import fused_adamw, fused_clip_norm
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
 from polyfuse.backends.hpu.runtime import HpuGraphStep, HpuRuntime
-from polyfuse.backends.registry import SelectionContext
-from polyfuse.backends.runtime import DeviceRuntime, get_runtime
+from polyfuse.core import registry
+from polyfuse.core.registry import SelectionContext
+from polyfuse.core.runtime import DeviceRuntime, get_runtime
 from polyfuse.ops.add_rms_norm import add_rms_norm_native
 from polyfuse.ops.attention import AttentionMeta, attention_native
 from polyfuse.ops.rms_norm import rms_norm_native
@@ -43,16 +43,28 @@ def _forget_habana():
     _habana.clear_cache()
 
 
-@pytest.fixture
-def hf(monkeypatch):
-    """The test double of habana_frameworks, importable for this test only."""
+def _import_double(monkeypatch, lazy):
+    """Put the test double on sys.path and import it with PT_HPU_LAZY_MODE set first (like the real bridge, it fixes
+    the mode at import); ``lazy=None`` leaves the variable unset (eager on Synapse 1.21+)."""
     _forget_habana()
+    if lazy is None:
+        monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", "1" if lazy else "0")
     monkeypatch.syspath_prepend(str(DOUBLE))
     import habana_frameworks
 
     assert habana_frameworks.TEST_DOUBLE
     habana_frameworks.reset()
-    yield habana_frameworks
+    return habana_frameworks
+
+
+@pytest.fixture
+def hf(monkeypatch, request):
+    """The test double of habana_frameworks, importable for this test only, in the mode the test asks for with the
+    ``lazy`` / ``eager`` fixtures (neither: PT_HPU_LAZY_MODE unset)."""
+    names = request.fixturenames
+    yield _import_double(monkeypatch, True if "lazy" in names else False if "eager" in names else None)
     _forget_habana()
 
 
@@ -73,6 +85,41 @@ def lazy(monkeypatch):
 @pytest.fixture
 def eager(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+
+
+class Habana:
+    """One way of running the HPU backend: the test double in lazy or eager mode on CPU tensors, or a real Gaudi in
+    the mode its process was started in (``make test-hpu``)."""
+
+    def __init__(self, name, double, device, lazy):
+        self.name, self.double, self.device, self.lazy = name, double, device, lazy
+
+    def calls(self, name):
+        return self.double.calls(name) if self.double is not None else None
+
+
+BACKENDS = [
+    pytest.param("double-lazy", id="double-lazy"),
+    pytest.param("double-eager", id="double-eager"),
+    pytest.param("gaudi", id="gaudi", marks=[pytest.mark.hpu, needs_gaudi]),
+]
+
+
+@pytest.fixture
+def habana(request, monkeypatch):
+    """Parametrized with BACKENDS (``indirect=True``)."""
+    name = getattr(request, "param", "double-lazy")
+    if name == "gaudi":
+        _habana.clear_cache()
+        import habana_frameworks.torch  # noqa: F401  (registers the hpu device with torch)
+        from habana_frameworks.torch.utils.internal import is_lazy
+
+        assert not getattr(sys.modules["habana_frameworks"], "TEST_DOUBLE", False)
+        yield Habana(name, None, torch.device("hpu"), is_lazy())
+        return
+    lazy_mode = name == "double-lazy"
+    yield Habana(name, _import_double(monkeypatch, lazy_mode), torch.device("cpu"), lazy_mode)
+    _forget_habana()
 
 
 def _qkv(b=2, hq=4, hkv=2, lq=6, lk=6, d=16, dtype=torch.float32, seed=0):
@@ -113,7 +160,7 @@ def test_polyfuse_import_never_imports_habana():
     code = (
         "import sys; sys.path.insert(0, %r)\n"
         "import polyfuse, polyfuse.backends.hpu\n"
-        "from polyfuse.backends import registry; registry._load_backends()\n"
+        "from polyfuse.core import registry; registry.ops()\n"
         "assert not [m for m in sys.modules if m.startswith('habana_frameworks')], 'habana imported'\n"
     ) % str(DOUBLE)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
@@ -145,7 +192,7 @@ def test_sdpa_decode_args(hf):
     fused_sdpa(q, k, v, meta)
     args = _last_sdpa(hf)
     assert args[0] is q
-    assert args[1].shape == (2, 4, 9, 16) and args[2].shape == (2, 4, 9, 16)  # GQA: kv repeated to Hq
+    assert args[1] is k and args[2] is v  # GQA: k/v [2, 2, 9, 16] unrepeated next to q [2, 4, 1, 16]
     assert args[3] is mask
     # decode ignores the prefill options: (mask, 0.0, False, None, "None", False, None, "None")
     assert args[4:] == (0.0, False, None, "None", False, None, "None")
@@ -230,8 +277,30 @@ def test_double_rejects_bad_arguments(hf):
         FusedSDPA.apply(q, k, v, None, 0.0, False, None, "None", False, ok[9], "left")
     with pytest.raises(ValueError):  # keyword call
         FusedSDPA.apply(q, k, v, None, 0.0, True, None, "None", False, None, padding_side="None")
-    with pytest.raises(ValueError):  # unrepeated GQA heads
-        FusedSDPA.apply(q, k[:, :2], v[:, :2], None, 0.0, False, None, "None", False, None, "None")
+    # Grouped-query attention: fewer k/v heads than q heads is the kernel's own business; a non-divisor is not.
+    FusedSDPA.apply(q, k[:, :2], v[:, :2], None, 0.0, False, None, "None", False, None, "None")
+    FusedSDPA.apply(q, k[:, :1], v[:, :1], None, 0.0, False, None, "None", False, None, "None")
+    with pytest.raises(ValueError, match="multiple"):
+        FusedSDPA.apply(q, k[:, :3], v[:, :3], None, 0.0, False, None, "None", False, None, "None")
+    with pytest.raises(ValueError, match="attn_mask"):  # a mask's head dim must be 1 or Hq (reshaped per group)
+        FusedSDPA.apply(q, k[:, :2], v[:, :2], torch.zeros(2, 2, 6, 6), 0.0, False, None, "None", False, None, "None")
+
+
+def test_double_enforces_the_kernels_training_asserts(hf):
+    """The real kernel asserts valid_sequence_lengths only in inference, and fast softmax in recompute training only
+    with its causal flag (Habana's hpex/kernels/FusedSDPA.py, sdpa_fwd_wrapper)."""
+    from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+    q, k, v = _qkv(hkv=2)
+    lengths = torch.tensor([6, 4], dtype=torch.int32)
+    FusedSDPA.apply(q, k, v, None, 0.0, True, None, "None", False, lengths, "left")  # inference: fine
+    q.requires_grad_()
+    with pytest.raises(ValueError, match="only in inference"):
+        FusedSDPA.apply(q, k, v, None, 0.0, True, None, "None", False, lengths, "left")
+    mask = torch.zeros(2, 1, 6, 6)
+    with pytest.raises(ValueError, match="fast"):
+        FusedSDPA.apply(q, k, v, mask, 0.0, False, None, "fast", True, None, "None")
+    FusedSDPA.apply(q, k, v, None, 0.0, True, None, "fast", True, None, "None")  # causal: allowed
 
 
 # -- attention: numerical parity with the native reference -------------------------------------------------------------
@@ -438,13 +507,13 @@ def _names(hf):
 
 def test_get_runtime_hpu(hf):
     rt = get_runtime("hpu")
-    assert isinstance(rt, HpuRuntime) and rt.graph_flag == "use_hpu_graphs" and rt.device.type == "hpu"
+    assert isinstance(rt, HpuRuntime) and "use_hpu_graphs" in rt.honours and rt.device.type == "hpu"
 
 
 def test_graph_module_without_flag_is_identity(hf, lazy):
     m = _Step()
     for phase in ("prefill", "decode"):
-        assert get_runtime("hpu").graph_module(m, phase, {}) is m
+        assert get_runtime("hpu").graph_module(m, phase, {}).fn is m
     assert "wrap_in_hpu_graph" not in _names(hf)
 
 
@@ -487,7 +556,7 @@ def test_hpu_graphs_need_lazy_mode(hf, eager):
     with pytest.raises(ValueError, match="lazy mode"):
         rt.graph_module(m, "decode", {"use_hpu_graphs": True})
     # torch.compile owns graphs there: optimum-habana turns --use_hpu_graphs off.
-    assert rt.graph_module(m, "decode", {"use_hpu_graphs": True, "torch_compile": True}) is m
+    assert rt.graph_module(m, "decode", {"use_hpu_graphs": True, "torch_compile": True}).fn is m
     assert "wrap_in_hpu_graph" not in _names(hf)
     with pytest.raises(ValueError, match="phase"):
         rt.graph_module(m, "train", {})
@@ -660,7 +729,7 @@ def test_generation_through_hpu_backend(hf, lazy, flags):
     import transformers
 
     from polyfuse.models.llama import LlamaForCausalLM
-    from polyfuse.models.llama.loading import ATTENTION_OPTION_FLAGS
+    from polyfuse.ops.attention import options_from_flags
 
     cfg = transformers.LlamaConfig(
         vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -676,7 +745,7 @@ def test_generation_through_hpu_backend(hf, lazy, flags):
     model.kernels = registry.resolve(SelectionContext(HPU, torch.float32, flags=dict(flags)))
     model.runtime = get_runtime("hpu")
     model.flags = dict(flags)
-    model.attention_options = {k: bool(flags.get(f)) for k, f in ATTENTION_OPTION_FLAGS.items()}
+    model.attention_options = options_from_flags(flags)
     hf.reset()
     got = model.generate(ids, mask, max_new_tokens=6, ignore_eos=True)
     assert torch.equal(got, want)

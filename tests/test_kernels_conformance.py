@@ -12,12 +12,13 @@ The fused kernels round once where the native bf16 path rounds after every op, s
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from polyfuse.backends import registry
+from polyfuse.core import registry
 from polyfuse.ops.attention import AttentionMeta, cache_mask
 
 
@@ -71,6 +72,21 @@ def _cases_rms_norm(device, dtype, big):
             return (x, w, 1e-6), {}, [x, w]
 
         out.append((f"x{list(shape)}", make))
+    return out
+
+
+def _cases_qk_norm(device, dtype, big):
+    out = []
+    for b, length, hq, hkv, d in [(2, 3, 4, 2, 16)] if not big else [(4, 64, 32, 8, 128)]:
+        gen = torch.Generator().manual_seed(b * 131 + d)
+        q0, k0 = _rand(gen, (b, length, hq, d), dtype, device, 2.0), _rand(gen, (b, length, hkv, d), dtype, device)
+        wq, wk = _rand(gen, (d,), dtype, device) + 1, _rand(gen, (d,), dtype, device) + 1
+
+        def make(q0=q0, k0=k0, wq=wq, wk=wk):
+            q, k, a, c = (t.clone().requires_grad_() for t in (q0, k0, wq, wk))
+            return (q, k, a, c, 1e-6), {}, [q, k, a, c]
+
+        out.append((f"B{b}L{length}Hq{hq}Hkv{hkv}D{d}", make))
     return out
 
 
@@ -131,10 +147,8 @@ def _cases_rotary(device, dtype, big):
 @pytest.fixture(autouse=True)
 def _small_gemv_table(monkeypatch):
     """Small tuned shapes for the GEMV, so the interpreter runs its kernel (with masked and unmasked K tiles)."""
-    try:
-        from polyfuse.backends.cuda import gemv
-    except ImportError:
-        return
+    from polyfuse.backends.cuda import gemv_table as gemv
+
     table = dict(gemv.TABLE)
     table.update({(40, 1030, False): (8, 256, 4, 1), (40, 96, False): (16, 32, 4, 1), (20, 129, True): (4, 64, 4, 1)})
     monkeypatch.setattr(gemv, "TABLE", table)
@@ -333,6 +347,7 @@ SIDE_OUTPUTS = {
 CASES = {
     "rotary_kv_write": _cases_rotary_kv_write,
     "rms_norm": _cases_rms_norm,
+    "qk_norm": _cases_qk_norm,
     "add_rms_norm": _cases_add_rms_norm,
     "rotary": _cases_rotary,
     "swiglu": _cases_swiglu,
@@ -444,7 +459,7 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
         with monkeypatch.context() as m:
             if impl.name != registry.NATIVE:
                 Poison(m)
-            outs, grads = _run(impl.fn, make, impl.supports_backward, side=side)
+            outs, grads = _run(registry.bound(op, impl_name), make, impl.supports_backward, side=side)
         assert len(outs) == len(ref_outs), f"{case_id}: {len(outs)} outputs, reference has {len(ref_outs)}"
         for i, (o, r) in enumerate(zip(outs, ref_outs)):
             assert o.device == r.device
@@ -468,7 +483,7 @@ def test_conformance(op, impl_name, device, dtype, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rotary_at_least_as_accurate_as_native_bf16(device):
-    from polyfuse.backends.cuda.rotary import rotary
+    from polyfuse.backends.triton.rotary import rotary
     from polyfuse.ops.rotary import rotary_native
 
     b, hq, hkv, length, d = (2, 8, 2, 33, 128) if device == "cuda" else (1, 4, 2, 9, 64)
@@ -486,7 +501,7 @@ def test_rotary_at_least_as_accurate_as_native_bf16(device):
 
 
 def test_rotary_returns_new_tensors():
-    from polyfuse.backends.cuda.rotary import rotary
+    from polyfuse.backends.triton.rotary import rotary
 
     gen = torch.Generator().manual_seed(3)
     q, k = _rand(gen, (1, 2, 3, 8), torch.float32, "cpu"), _rand(gen, (1, 1, 3, 8), torch.float32, "cpu")
@@ -511,7 +526,7 @@ class _MaxNumel(TorchDispatchMode):
 
 
 def test_chunk_rows_keeps_logits_chunk_near_hidden_size():
-    from polyfuse.backends.cuda.linear_cross_entropy import chunk_rows
+    from polyfuse.backends.triton.linear_cross_entropy import chunk_rows
 
     for n, h, v in ((8192, 4096, 128256), (16384, 2048, 32000), (3, 4096, 128256), (100, 64, 50), (1, 8, 8)):
         c = chunk_rows(n, h, v)
@@ -527,7 +542,7 @@ def test_chunk_rows_keeps_logits_chunk_near_hidden_size():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_cross_entropy_never_holds_full_logits(device):
-    from polyfuse.backends.cuda.linear_cross_entropy import MIN_CHUNK_ROWS, chunk_rows, linear_cross_entropy
+    from polyfuse.backends.triton.linear_cross_entropy import MIN_CHUNK_ROWS, chunk_rows, linear_cross_entropy
     from polyfuse.ops.linear_cross_entropy import linear_cross_entropy_native
 
     n, h, v = (64, 8, 257) if device == "cpu" else (4096, 256, 32000)
@@ -552,7 +567,7 @@ def test_linear_cross_entropy_never_holds_full_logits(device):
 
 
 def test_linear_cross_entropy_explicit_chunks_and_grad_output():
-    from polyfuse.backends.cuda.linear_cross_entropy import linear_cross_entropy
+    from polyfuse.backends.triton.linear_cross_entropy import linear_cross_entropy
     from polyfuse.ops.linear_cross_entropy import linear_cross_entropy_native
 
     gen = torch.Generator().manual_seed(5)
@@ -573,8 +588,9 @@ def test_rotary_kv_write_falls_back_with_one_warning_on_a_cache_it_cannot_take(c
     result, one warning however many calls."""
     import logging
 
-    from polyfuse.backends.cuda.rotary_kv_write import rotary_kv_write
     from polyfuse.ops.rotary_kv_write import rotary_kv_write_native
+
+    rotary_kv_write = registry.bound("rotary_kv_write", "triton")
 
     gen = torch.Generator().manual_seed(5)
     q, k, v = (_rand(gen, (1, h, 2, 8), torch.bfloat16, "cpu") for h in (4, 2, 2))
@@ -593,12 +609,15 @@ def test_rotary_kv_write_falls_back_with_one_warning_on_a_cache_it_cannot_take(c
 def test_gemv_runs_on_tuned_shapes_only(monkeypatch):
     """The linear ops' CUDA implementation must really take the GEMV on its tuned shapes (and only there)."""
     pytest.importorskip("triton")
-    from polyfuse.backends.cuda import gemv as g
+    from polyfuse.backends.cuda import gemv_table
+    from polyfuse.backends.triton import gemv as kernel
 
     calls = []
-    real = g.gemv
-    monkeypatch.setattr(g, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    monkeypatch.setattr(g, "TABLE", {(24, 40, False): (8, 16, 4, 1), (24, 40, True): (16, 32, 4, 1)})
+    real = kernel.gemv
+    monkeypatch.setattr(kernel, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(gemv_table, "TABLE", {(24, 40, False): (8, 16, 4, 1), (24, 40, True): (16, 32, 4, 1)})
+    g = SimpleNamespace(linear=registry.bound("linear", "triton_gemv"),
+                        swiglu_linear=registry.bound("swiglu_linear", "triton_gemv"))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     x, up, w = (
         torch.randn(1, 1, 40, generator=gen),
@@ -618,7 +637,7 @@ def test_swiglu_on_halves_of_one_projection_writes_one_gradient(monkeypatch):
     """gate/up as the halves of one projection: the autograd node takes the projection itself (no zero-filled
     halves summed by autograd), and the gradient equals the native one."""
     pytest.importorskip("triton")
-    from polyfuse.backends.cuda import swiglu as sw
+    from polyfuse.backends.triton import swiglu as sw
 
     taken = []
     real = sw._SwiGLUHalves.apply

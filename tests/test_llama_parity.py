@@ -23,8 +23,8 @@ from helpers import (
     tiny_config,
 )
 
+from polyfuse.engine.saving import save_pretrained
 from polyfuse.models.llama import LlamaForCausalLM
-from polyfuse.models.llama.loading import save_pretrained
 
 
 ATOL = 1e-4
@@ -242,8 +242,8 @@ def test_no_cache_and_buckets_give_same_greedy_tokens(gen_pair):
 @pytest.fixture(scope="module")
 def builtin():
     """polyfuse and transformers each dequantize the same GGUF; loaded once per module (the slow part)."""
+    from polyfuse.engine.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
-    from polyfuse.models.tokenizer import load_tokenizer
 
     try:
         folder, name = builtin_model()

@@ -8,7 +8,7 @@ import torch
 from helpers import tiny_llama
 from torch import nn
 
-from polyfuse.backends.registry import SelectionContext, resolve
+from polyfuse.core.registry import SelectionContext, resolve
 from polyfuse.patch import patch, unpatch
 
 

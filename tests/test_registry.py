@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 
-from polyfuse.backends import registry
-from polyfuse.backends.registry import Implementation, SelectionContext
+from polyfuse.core import registry
+from polyfuse.core.registry import Implementation, SelectionContext
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.ops.attention import attention_native
 
@@ -22,7 +22,7 @@ FAKEDEV = SimpleNamespace(type="fakedev")  # selection only reads ctx.device.typ
 
 @pytest.fixture(autouse=True)
 def isolated_registry(monkeypatch):
-    registry._load_backends()
+    registry.ops()
     monkeypatch.setattr(registry, "_IMPLS", {op: list(impls) for op, impls in registry._IMPLS.items()})
     monkeypatch.delenv(registry.ENV_OVERRIDES, raising=False)
 
@@ -223,13 +223,13 @@ def test_report_lists_every_op_with_backend_name_and_reason():
     k = registry.resolve(ctx(dtype=torch.bfloat16))
     text = k.report()
     lines = text.splitlines()
-    assert lines[0] == "polyfuse backends (device=fakedev, dtype=bfloat16):"
+    assert lines[0] == "polyfuse backends (device=fakedev, platform=fakedev, dtype=bfloat16):"
     assert len(lines) == 1 + len(registry.ops())
     for op in registry.ops():
         line = next(line for line in lines[1:] if line.split()[0] == op)
         c = k.choices[op]
         assert f"{c.implementation.backend}:{c.implementation.name}" in line
-        assert line.rstrip().endswith(c.reason)
+        assert line.split(" [")[0].rstrip().endswith(c.reason)
     assert "fakebackend:fake_a" in text
     assert "native:native" in text and "fallback: fake_swiglu: fakelib missing" in text
     d = k.as_dict()
@@ -302,3 +302,64 @@ def test_flag_asking_for_a_fused_op_the_device_lacks_warns(caplog):
     assert "--use_flash_attention has no implementation on cpu" in choice.reason
     lines = [r.getMessage() for r in caplog.records if "use_flash_attention" in r.getMessage()]
     assert len(lines) == 1 and "native one runs" in lines[0]
+
+
+# -- declined calls and composite ops ----------------------------------------------------------------------------------
+
+
+def _guarded(name, priority, taken, calls, quiet=False, op="rms_norm"):
+    """A fake implementation that takes only inputs whose last dim is in ``taken``, recording its calls."""
+    impl = Implementation(
+        op, name, "fakebackend", ("fakedev",), lambda x, w, eps: calls.append(name) or x * 0 + priority,
+        priority=priority, accepts=lambda x, w, eps: None if x.shape[-1] in taken else f"dim {x.shape[-1]}",
+        quiet_decline=quiet,
+    )  # fmt: skip
+    return registry.register(impl)
+
+
+def test_declined_call_walks_the_choice_chain_then_native(caplog):
+    calls = []
+    _guarded("big", 300, {8}, calls)
+    _guarded("small", 200, {4}, calls, quiet=True)
+    k = registry.resolve(ctx())
+    choice = k.choices["rms_norm"]
+    assert choice.implementation.name == "big" and [i.name for i in choice.then] == ["small"]
+    w = torch.ones(1)
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        assert float(k.rms_norm(torch.ones(2, 8), w, 1e-6)[0, 0]) == 300
+        assert float(k.rms_norm(torch.ones(2, 4), w, 1e-6)[0, 0]) == 200
+        for _ in range(3):
+            out = k.rms_norm(torch.full((2, 3), 2.0), w, 1e-6)  # nobody takes dim 3: the native reference
+    torch.testing.assert_close(out, torch.ones(2, 3))
+    assert calls == ["big", "small"]
+    msgs = [r.getMessage() for r in warnings_of(caplog)]
+    # "big" declines loudly once per cause (dim 4, dim 3); "small" is quiet.
+    assert len(msgs) == 2 and all("big cannot take this input" in m for m in msgs)
+    assert "declined inputs go to small, native" in k.report()
+
+
+def test_composite_op_runs_the_runs_own_choices_of_its_parts():
+    """rotary_kv_write without a fused kernel is rotary (the run's choice, here a fake) + the cache write; -swiglu
+    is honoured inside swiglu_linear's composite definition."""
+    seen = []
+
+    def fake_rotary(q, k, cos, sin):
+        seen.append("rotary")
+        return q + 1, k + 1
+
+    fake(op="rotary", name="fake_rotary", fn=fake_rotary)
+    fake(op="swiglu", name="fake_swiglu", fn=lambda g, u: seen.append("swiglu") or g * u)
+    k = registry.resolve(ctx(overrides="-rotary_kv_write"))
+    assert k.choices["rotary_kv_write"].implementation.name == registry.NATIVE
+    assert "composite: rotary + cache write" in k.report()
+    q, key, v = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4), torch.full((1, 1, 1, 4), 3.0)
+    kc, vc = torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4)
+    qo = k.rotary_kv_write(q, key, v, None, None, kc, vc, torch.tensor([2]))
+    assert seen == ["rotary"] and torch.equal(qo, q + 1)
+    assert torch.equal(kc[:, :, 2], torch.ones(1, 1, 4)) and torch.equal(vc[:, :, 2], torch.full((1, 1, 4), 3.0))
+    g, u, w = torch.randn(1, 3), torch.randn(1, 3), torch.randn(2, 3)
+    torch.testing.assert_close(k.swiglu_linear(g, u, w), (g * u) @ w.T)
+    assert seen == ["rotary", "swiglu"]
+    k = registry.resolve(ctx(overrides="-swiglu"))
+    torch.testing.assert_close(k.swiglu_linear(g, u, w), (torch.nn.functional.silu(g) * u) @ w.T)
+    assert seen == ["rotary", "swiglu"]

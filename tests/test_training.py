@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import tiny_llama
 
-from polyfuse.backends.registry import SelectionContext, implementations, ops, resolve
+from polyfuse.core.registry import SelectionContext, implementations, ops, resolve
 from polyfuse.patch import patch
 from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments
 
@@ -246,8 +246,8 @@ def test_trainer_trains_polyfuse_llama_like_transformers(tmp_path):
     cross-entropy) follows transformers' Trainer on transformers' Llama from the same weights."""
     import transformers
 
+    from polyfuse.engine.loading import hf_state_items
     from polyfuse.models.llama import LlamaForCausalLM as PfLlama
-    from polyfuse.models.llama.loading import hf_state_items
 
     hf = tiny_llama(seed=5)
     hf.save_pretrained(tmp_path / "init")

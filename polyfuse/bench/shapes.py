@@ -1,6 +1,9 @@
 """Real model shapes for random-weight benchmarks (no downloads)."""
 
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+
+CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
 
 SHAPES = {
@@ -53,6 +56,29 @@ SHAPES = {
         tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
+    "mistral-7b": dict(
+        model_type="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
     "tiny": dict(
         hidden_size=128,
         intermediate_size=256,
@@ -65,9 +91,10 @@ SHAPES = {
 }
 
 
-def config_for(name: str) -> LlamaConfig:
+def config_for(name: str):
+    """The transformers config of a named shape (Llama unless the shape says otherwise)."""
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     kw = dict(SHAPES[name])
     kw.setdefault("tie_word_embeddings", False)
-    return LlamaConfig(**kw)
+    return CONFIGS[kw.pop("model_type", "llama")](**kw)

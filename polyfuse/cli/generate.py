@@ -22,17 +22,11 @@ class UsageError(Exception):
 
 
 def pick_device(name: str) -> torch.device:
-    def has_hpu():
-        try:
-            import habana_frameworks.torch.hpu as hthpu  # noqa: F401
-
-            return hthpu.is_available()
-        except Exception:
-            return False
+    from polyfuse.core.platform import default_device_type, hpu_available
 
     if name == "auto":
-        return torch.device("hpu" if has_hpu() else "cuda" if torch.cuda.is_available() else "cpu")
-    if name == "hpu" and not has_hpu():
+        return torch.device(default_device_type())
+    if name == "hpu" and not hpu_available():
         raise UsageError("--device hpu: no Gaudi found (habana_frameworks is not installed or sees no HPU)")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to torch")
@@ -54,9 +48,9 @@ def validate(args) -> None:
 
 
 def load(args, device, flags):
+    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.models import AutoModelForCausalLM
     from polyfuse.models.builtin import builtin_model
-    from polyfuse.models.llama import LlamaForCausalLM
-    from polyfuse.models.tokenizer import load_tokenizer
 
     path, gguf = args.model_name_or_path, args.gguf_file
     if path is None and gguf is None:
@@ -64,7 +58,7 @@ def load(args, device, flags):
     elif path is None:
         path = os.path.dirname(os.path.abspath(gguf))
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    model = LlamaForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops
     )
     model.eval()
@@ -95,7 +89,7 @@ def encode(args, tokenizer, device):
 
 
 def run(args) -> dict:
-    from polyfuse.backends.flags import check_flags
+    from polyfuse.core.flags import check_flags
 
     validate(args)
     device = pick_device(args.device)
@@ -202,8 +196,7 @@ def print_report(r: dict, args) -> None:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = build_parser().parse_args(argv)
-    from polyfuse.models.llama import CheckpointError
-    from polyfuse.models.llama.config import one_line
+    from polyfuse.core.errors import CheckpointError, one_line
 
     try:
         run(args)

@@ -2,7 +2,7 @@
 
 import torch
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 from polyfuse.ops.rms_norm import rms_norm_native
 
 

@@ -10,7 +10,9 @@ q [B, Hq, Lq, D]; k, v [B, Hkv, Lk, D] with Hq % Hkv == 0; returns [B, Hq, Lq, D
     mask's sources, set for cached steps. A kernel that reads them (the Triton decode kernel) never needs ``mask``;
     ``mask`` is then built on first access from them (``lazy_mask``), so a decode step launches no mask kernels
     unless an implementation asks for it;
-  * run options copied from the flags once at build time: ``causal_prefill`` (--flash_attention_causal_mask: use the
+  * ``window``: sliding-window attention (Mistral, Qwen2's windowed layers): the query at slot p sees key slot j
+    only when ``p - window < j <= p``; None: every earlier key. Every implementation honours it;
+  * run options copied from the flags once at build time (``options_from_flags``): ``causal_prefill`` (--flash_attention_causal_mask: use the
     causal flag plus ``valid_lengths`` instead of the mask on prefill), ``recompute`` (--flash_attention_recompute),
     ``fast_softmax`` (--flash_attention_fast_softmax), ``softmax_bf16`` (--attn_softmax_bf16, eager paths).
 The native reference is eager attention (matmul, fp32 softmax, matmul), the same math as transformers' eager path.
@@ -21,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 
 
 @dataclass
@@ -39,6 +41,21 @@ class AttentionMeta:
     key_mask: Optional[torch.Tensor] = None
     cache_position: Optional[torch.Tensor] = None
     lazy_mask: Optional[Callable[[], torch.Tensor]] = None
+    window: Optional[int] = None
+
+
+# AttentionMeta field -> the run flag it is copied from.
+OPTION_FLAGS = {
+    "causal_prefill": "flash_attention_causal_mask",
+    "recompute": "flash_attention_recompute",
+    "fast_softmax": "flash_attention_fast_softmax",
+    "softmax_bf16": "attn_softmax_bf16",
+}
+
+
+def options_from_flags(flags: dict) -> dict:
+    """The AttentionMeta run options a run's flags ask for (device checks have already turned off the rest)."""
+    return {field: bool(flags.get(flag)) for field, flag in OPTION_FLAGS.items()}
 
 
 def _get_mask(self):
@@ -55,18 +72,27 @@ def _set_mask(self, value):
 AttentionMeta.mask = property(_get_mask, _set_mask)  # the dataclass __init__ assigns through the setter
 
 
-def cache_mask(key_mask: torch.Tensor, cache_position: torch.Tensor, kv_len: int, dtype) -> torch.Tensor:
-    """Additive [B, 1, Lq, kv_len] mask: key j is visible to the query at slot p when it is real and j <= p."""
+def _visible(keys: torch.Tensor, queries: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """bool [Lq, Lk]: key slot j visible to query slot p (j <= p, and p - j < window with a window)."""
+    seen = keys[None, :] <= queries[:, None]
+    if window is not None:
+        seen &= keys[None, :] > queries[:, None] - window
+    return seen
+
+
+def cache_mask(key_mask: torch.Tensor, cache_position: torch.Tensor, kv_len: int, dtype, window=None) -> torch.Tensor:
+    """Additive [B, 1, Lq, kv_len] mask: key j is visible to the query at slot p when it is real and j <= p (and
+    within the window)."""
     keys = torch.arange(kv_len, device=cache_position.device)
-    allowed = key_mask[:, None, None, :kv_len] & (keys[None, None, None, :] <= cache_position[None, None, :, None])
+    allowed = key_mask[:, None, None, :kv_len] & _visible(keys, cache_position, window)[None, None]
     return torch.zeros((), dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def causal_mask(q_len: int, k_len: int, device, dtype) -> torch.Tensor:
+def causal_mask(q_len: int, k_len: int, device, dtype, window=None) -> torch.Tensor:
     """Additive [1, 1, q_len, k_len] mask for q positions aligned to the last q_len keys."""
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    return torch.zeros((), dtype=dtype, device=device).masked_fill(k_pos > q_pos, torch.finfo(dtype).min)[None, None]
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)
+    allowed = _visible(torch.arange(k_len, device=device), q_pos, window)
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -81,8 +107,8 @@ def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     scores = torch.matmul(q, k.transpose(2, 3)) * meta.scale
     mask = meta.mask
-    if mask is None and meta.is_causal and q.shape[2] > 1:
-        mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype)
+    if mask is None and meta.is_causal and (q.shape[2] > 1 or meta.window is not None):
+        mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype, meta.window)
     if mask is not None:
         scores = scores + mask
     softmax_dtype = q.dtype if meta.softmax_bf16 else torch.promote_types(q.dtype, torch.float32)

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 from polyfuse.ops.swiglu import swiglu_native
 
 
@@ -22,6 +22,15 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def swiglu_linear_native(gate, up, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     return F.linear(swiglu_native(gate, up), weight, bias)
+
+
+def compose_swiglu_linear(kernels):
+    """linear(swiglu(gate, up)) from the run's own choices of both ops."""
+
+    def swiglu_linear(gate, up, weight, bias=None):
+        return kernels.linear(kernels.swiglu(gate, up), weight, bias)
+
+    return swiglu_linear
 
 
 SPEC = declare(
@@ -38,5 +47,7 @@ SWIGLU_SPEC = declare(
         "swiglu_linear(gate[..., I], up[..., I], weight[N, I], bias[N] | None) -> (silu(gate) * up) @ weight.T",
         swiglu_linear_native,
         training=False,
+        compose=compose_swiglu_linear,
+        composed_of=("swiglu", "linear"),
     )
 )

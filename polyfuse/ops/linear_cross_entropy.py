@@ -7,7 +7,7 @@ The native reference materializes the logits in fp32; fused implementations work
 import torch
 import torch.nn.functional as F
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 
 
 def linear_cross_entropy_native(

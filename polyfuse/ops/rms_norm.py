@@ -2,7 +2,7 @@
 
 import torch
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ The native reference follows transformers' eager bf16 path: cos/sin are cast to 
 
 import torch
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

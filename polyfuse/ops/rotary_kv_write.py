@@ -7,7 +7,7 @@ Inference only: the caches are written in place.
 
 import torch
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 from polyfuse.ops.rotary import rotary_native
 
 
@@ -18,11 +18,25 @@ def rotary_kv_write_native(q, k, v, cos, sin, k_cache: torch.Tensor, v_cache: to
     return q
 
 
+def compose(kernels):
+    """The op from the run's own rotary choice plus a plain cache write (where no fused kernel is chosen)."""
+
+    def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position):
+        q, k = kernels.rotary(q, k, cos, sin)
+        k_cache.index_copy_(2, cache_position, k)
+        v_cache.index_copy_(2, cache_position, v)
+        return q
+
+    return rotary_kv_write
+
+
 SPEC = declare(
     OpSpec(
         "rotary_kv_write",
         "rotary_kv_write(q, k, v, cos, sin, k_cache[B,Hkv,S,D], v_cache, cache_position[L]) -> q_rot (caches written)",
         rotary_kv_write_native,
         training=False,
+        compose=compose,
+        composed_of=("rotary", "cache write"),
     )
 )

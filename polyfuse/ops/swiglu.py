@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from polyfuse.backends.registry import OpSpec, declare
+from polyfuse.core.registry import OpSpec, declare
 
 
 def swiglu_native(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,12 @@ optimum-habana's names and meanings (``use_habana``, ``use_lazy_mode``, ``gaudi_
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from transformers import TrainingArguments
+
+from polyfuse.core.platform import hpu_available
 
 
 # use_fused_* flag -> the registry ops it controls (off -> "-op", i.e. the native reference).
@@ -19,17 +19,6 @@ FUSED_FLAG_OPS = {
     "use_fused_swiglu": ("swiglu",),
     "use_fused_linear_cross_entropy": ("linear_cross_entropy",),
 }
-
-
-def hpu_available() -> bool:
-    if importlib.util.find_spec("habana_frameworks") is None:
-        return False
-    try:
-        import habana_frameworks.torch.hpu as hthpu  # noqa: F401
-
-        return bool(hthpu.is_available())
-    except Exception:
-        return False
 
 
 @dataclass
@@ -71,7 +60,7 @@ class PolyfuseTrainingArguments(TrainingArguments):
         super().__post_init__()
 
     def _validate_polyfuse(self) -> None:
-        from polyfuse.backends import registry
+        from polyfuse.core import registry
 
         if self.use_lazy_mode and not self.use_habana:
             raise ValueError("--use_lazy_mode can only be used with --use_habana (it is an HPU lazy-mode setting)")
@@ -81,9 +70,21 @@ class PolyfuseTrainingArguments(TrainingArguments):
             raise ValueError("--use_habana needs an Intel Gaudi and habana_frameworks; neither HPU nor package found")
         if (self.flash_attention_recompute or self.flash_attention_causal_mask) and not self.use_flash_attention:
             raise ValueError("--flash_attention_recompute / --flash_attention_causal_mask need --use_flash_attention")
+        if self.use_habana:
+            from polyfuse.backends.hpu.runtime import (
+                lazy_mode_enabled,  # Habana's is_lazy(); eager by default on 1.21+
+            )
+
+            bridge_lazy = lazy_mode_enabled()
+            if self.use_lazy_mode and not bridge_lazy:
+                raise ValueError(
+                    "--use_lazy_mode: Habana runs in eager mode here; set PT_HPU_LAZY_MODE=1 before Python"
+                )
+            if self.use_lazy_mode is None:
+                self.use_lazy_mode = bridge_lazy
         if self.use_lazy_mode is None:
-            self.use_lazy_mode = self.use_habana and os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
-        registry._load_backends()
+            self.use_lazy_mode = False
+        registry.ops()  # loads the op declarations' users (backend plugins) so overrides can be checked
         registry.parse_overrides(self.polyfuse_ops)  # raises ValueError on an unknown op or a bad entry
 
     def polyfuse_flags(self) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Optional
 
@@ -21,8 +22,8 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from polyfuse.backends.registry import Kernels, SelectionContext, resolve
-from polyfuse.backends.runtime import get_runtime
+from polyfuse.core.registry import Kernels
+from polyfuse.core.runtime import get_runtime
 from polyfuse.training.arguments import PolyfuseTrainingArguments
 from polyfuse.training.gaudi_config import GaudiConfig
 
@@ -30,18 +31,10 @@ from polyfuse.training.gaudi_config import GaudiConfig
 logger = logging.getLogger("polyfuse")
 
 
-def _polyfuse_llama_class():
-    try:
-        from polyfuse.models.llama import LlamaForCausalLM
-    except ImportError:
-        return None
-    return LlamaForCausalLM
+def _is_polyfuse_model(model: nn.Module) -> bool:
+    from polyfuse.models.decoder import DecoderForCausalLM
 
-
-def _is_hf_llama(model: nn.Module) -> bool:
-    from transformers.models.llama.modeling_llama import LlamaModel
-
-    return any(isinstance(m, LlamaModel) for m in model.modules())
+    return isinstance(model, DecoderForCausalLM)
 
 
 class _StepBoundary(TrainerCallback):
@@ -93,29 +86,22 @@ class PolyfuseTrainer(Trainer):
     def _prepare_model(self, model: nn.Module, args: PolyfuseTrainingArguments) -> str:
         flags, overrides = args.polyfuse_flags(), args.polyfuse_overrides()
         device = args.device
-        pf_cls = _polyfuse_llama_class()
-        if pf_cls is not None and isinstance(model, pf_cls):
+        if _is_polyfuse_model(model):
+            from polyfuse.engine.loading import set_kernels
+
             self._polyfuse_model = True
-            try:
-                from polyfuse.models.llama.loading import set_kernels
-            except ImportError:  # pragma: no cover - older layout
-                set_kernels = None
-            if set_kernels is not None:
-                kernels = set_kernels(model, flags, overrides, training=True)
-            else:
-                dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-                ctx = SelectionContext(device=device, dtype=dtype, flags=flags, training=True, overrides=overrides)
-                kernels = model.kernels = resolve(ctx)
-            self.polyfuse_kernels = kernels
+            kernels = self.polyfuse_kernels = set_kernels(model, flags, overrides, training=True)
             return kernels.report()
-        if _is_hf_llama(model):
+        from polyfuse.patch.families import find_family
+
+        if find_family(model) is not None:
             from polyfuse.patch import patch
 
             handle = patch(model, device=device, flags=flags, overrides=overrides, training=True)
             self.polyfuse_kernels = handle.kernels
             return handle.report()
-        logger.warning("polyfuse: %s is not a Llama model; training it without fused ops", type(model).__name__)
-        return f"polyfuse: {type(model).__name__} is not a Llama model; no fused ops"
+        logger.warning("polyfuse: %s is not a supported family; training it without fused ops", type(model).__name__)
+        return f"polyfuse: {type(model).__name__} is not a supported family; no fused ops"
 
     # ------------------------------------------------------------------------------------------ training loop hooks
 
@@ -156,7 +142,7 @@ class PolyfuseTrainer(Trainer):
 
     def create_optimizer(self, model=None):
         if self.optimizer is None and self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_adam:
-            fused = _hpu_optim("fused_adamw")
+            fused = self.runtime.fused_optimizer
             model = model if model is not None else self.model
             decay = set(self.get_decay_parameter_names(model))
             params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -164,14 +150,14 @@ class PolyfuseTrainer(Trainer):
                 {"params": [p for n, p in params if n in decay], "weight_decay": self.args.weight_decay},
                 {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
             ]
-            opt = None
-            if fused is not None:
-                opt = fused(
-                    groups,
-                    lr=self.args.learning_rate,
-                    betas=(self.args.adam_beta1, self.args.adam_beta2),
-                    eps=self.args.adam_epsilon,
-                )
+            groups = [g for g in groups if g["params"]]  # empty groups crash FusedAdamW (optimum-habana drops them)
+            # GaudiTrainingArguments' adam_epsilon default is 1e-6 ("consistent with Habana FusedAdamW"), not 1e-8.
+            eps = self.args.adam_epsilon
+            if eps == type(self.args).__dataclass_fields__["adam_epsilon"].default:
+                eps = 1e-6
+            opt = fused(
+                groups, lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2), eps=eps,
+            )  # fmt: skip
             if opt is not None:
                 self.optimizer = opt
                 return opt
@@ -183,8 +169,8 @@ class PolyfuseTrainer(Trainer):
     def _clip_grad_norm(self, model):
         if self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_clip_norm:
             if self._fused_clip is None:
-                fn = _hpu_optim("fused_clip_norm")
-                self._fused_clip = (fn(model.parameters(), self.args.max_grad_norm) if fn else None) or False
+                clip = self.runtime.fused_clip_norm(model.parameters(), self.args.max_grad_norm)
+                self._fused_clip = clip or False
             if self._fused_clip:
                 clip = self._fused_clip
                 return clip.clip_norm(model.parameters()) if hasattr(clip, "clip_norm") else clip(model.parameters())
@@ -214,14 +200,47 @@ class PolyfuseTrainer(Trainer):
         logs.update({k: v for k, v in stats.items() if v is not None})
 
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
-        super()._save(output_dir, state_dict)
-        if self.gaudi_config is not None:
+        if self._polyfuse_model:
+            self._save_polyfuse(output_dir or self.args.output_dir)
+        else:
+            super()._save(output_dir, state_dict)
+        if self.gaudi_config is not None and self.args.should_save:
             self.gaudi_config.save_pretrained(output_dir or self.args.output_dir)
 
+    def _save_polyfuse(self, output_dir: str) -> None:
+        """What ``Trainer._save`` does for a ``PreTrainedModel``, for polyfuse's model: a transformers checkpoint
+        (config.json + safetensors in transformers' names, the fused projections split back, a tied lm_head left
+        out) through the model's ``save_pretrained``, then the tokenizer and the training arguments."""
+        if not self.args.should_save:
+            return
+        from transformers.trainer import TRAINING_ARGS_NAME
 
-def _hpu_optim(name: str):
-    try:
-        from polyfuse.backends.hpu import optim
-    except ImportError:
-        return None
-    return getattr(optim, name, None)
+        os.makedirs(output_dir, exist_ok=True)
+        self.accelerator.unwrap_model(self.model, keep_torch_compile=False).save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _load_polyfuse(self, folder: str) -> None:
+        """Load a checkpoint written by ``_save_polyfuse`` (transformers' names) into polyfuse's model in place.
+        Trainer's own loader would call ``load_state_dict(strict=False)`` with those names and silently load
+        nothing."""
+        from polyfuse.engine.loading import LOAD_WORKERS, load_weights
+        from polyfuse.engine.weights import iter_safetensors
+
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        with torch.no_grad():
+            load_weights(model, iter_safetensors(folder), workers=LOAD_WORKERS)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._polyfuse_model:
+            return self._load_polyfuse(resume_from_checkpoint)
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if self._polyfuse_model:
+            logger.info("polyfuse: loading the best model from %s", self.state.best_model_checkpoint)
+            return self._load_polyfuse(self.state.best_model_checkpoint)
+        return super()._load_best_model()

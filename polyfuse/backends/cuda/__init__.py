@@ -1,3 +1,3 @@
-"""NVIDIA backend: Triton kernels, SDPA/flash attention and CUDA graphs (registered for device ``cuda``)."""
-
-from polyfuse.backends.cuda import register
+"""NVIDIA-only pieces (the ``cuda`` entry point): the CUDA runtime with whole-step CUDA graphs, SDPA's flash and
+memory-efficient attention, and the per-GPU tuned tables that route decode projections to the Triton GEMV.
+The portable Triton kernels are the ``triton`` backend's."""

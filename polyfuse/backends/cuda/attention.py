@@ -1,14 +1,15 @@
 """Attention on NVIDIA GPUs.
 
 ``sdpa_attention``: ``torch.nn.functional.scaled_dot_product_attention``.
-  * prefill, ``meta.is_causal`` and no mask, Lq == Lk: ``is_causal=True`` (SDPA can pick the flash backend);
+  * prefill, ``meta.is_causal`` and no mask or window, Lq == Lk: ``is_causal=True`` (SDPA can pick the flash backend);
   * with an additive mask [B, 1, Lq, Lk]: the mask is passed (cast to q's dtype, clamped so that fp16 never sees
     -inf; the memory-efficient backend handles it);
   * grouped-query heads: decode (Lq == 1) folds the query heads of a group into the query length, so K/V are
     never repeated; otherwise ``enable_gqa=True`` (torch >= 2.5) or ``repeat_kv``.
 Works on any device SDPA supports, CPU included.
 
-The Triton split-K decode kernel lives in ``decode_attention.py`` (this module imports without triton).
+A sliding window (``meta.window``) is always an explicit mask. The Triton split-K decode kernel is the portable
+Triton backend's (``polyfuse.backends.triton.decode_attention``); the calls it declines come here.
 """
 
 import torch
@@ -41,11 +42,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atte
     n_rep = hq // hkv
     mask = meta.mask
     is_causal = False
-    if mask is None and meta.is_causal and lq > 1:
-        if lq == lk:
+    if mask is None and meta.is_causal and (lq > 1 or meta.window is not None):
+        if lq == lk and meta.window is None:
             is_causal = True
-        else:  # SDPA's is_causal aligns to the top-left; the op aligns q to the last keys
-            mask = causal_mask(lq, lk, q.device, q.dtype)
+        else:  # SDPA's is_causal aligns to the top-left and knows no window; the op aligns q to the last keys
+            mask = causal_mask(lq, lk, q.device, q.dtype, meta.window)
     if mask is not None:
         mask = _prepare_mask(mask, q.dtype)
     if n_rep > 1 and lq == 1 and (mask is None or mask.shape[-2] == 1):

@@ -5,22 +5,22 @@ from __future__ import annotations
 import torch
 
 from polyfuse.backends.cuda.graphs import GraphedStep
-from polyfuse.backends.runtime import DeviceRuntime, register_runtime
+from polyfuse.core.runtime import DeviceRuntime, Step
 
 
 class CudaRuntime(DeviceRuntime):
     device_type = "cuda"
-    graph_flag = "use_cuda_graphs"
+    honours = frozenset({"use_cuda_graphs"})
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def graph_module(self, module, phase: str, flags: dict):
+    def graph_module(self, module, phase: str, flags: dict) -> Step:
         # Prefill shapes follow the prompt, so only the per-token steps are captured; the greedy token step updates
         # its arguments in place, so they are the graph's own buffers.
         if phase in ("decode", "token") and flags.get("use_cuda_graphs"):
             return GraphedStep(module, inplace=phase == "token")
-        return module
+        return Step(module)
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -33,6 +33,3 @@ class CudaRuntime(DeviceRuntime):
             "max_memory_allocated (GB)": round(torch.cuda.max_memory_allocated(self.device) / gb, 2),
             "total_memory_available (GB)": round(total / gb, 2),
         }
-
-
-register_runtime("cuda", CudaRuntime)

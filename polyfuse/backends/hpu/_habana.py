@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any, Optional
 
 
@@ -18,6 +19,10 @@ NORMALIZATION = "habana_frameworks.torch.hpex.normalization"
 OPTIMIZERS = "habana_frameworks.torch.hpex.optimizers"
 CORE = "habana_frameworks.torch.core"
 HPU = "habana_frameworks.torch.hpu"
+BRIDGE = (
+    "habana_frameworks.torch"  # importing it registers the hpu device with torch (as optimum-habana's setup_device)
+)
+INTERNAL = "habana_frameworks.torch.utils.internal"  # is_lazy()
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,8 +45,24 @@ def missing_reason(module: str, name: Optional[str] = None) -> Optional[str]:
 def require(module: str, name: str) -> Any:
     component = import_component(module, name)
     if component is None:
+        if import_component(module) is not None:  # the bridge is there; this build or mode does not export the name
+            raise RuntimeError(f"polyfuse hpu backend: {module} has no {name} in this Habana build or mode")
         raise RuntimeError(f"polyfuse hpu backend: {module}.{name} not importable (run inside Habana's container)")
     return component
+
+
+def import_bridge() -> bool:
+    """Import ``habana_frameworks.torch`` (registers the hpu device with torch); False outside Habana's stack."""
+    return import_component(BRIDGE) is not None
+
+
+def is_lazy() -> bool:
+    """Habana's own answer (``habana_frameworks.torch.utils.internal.is_lazy()``: ``PT_HPU_LAZY_MODE``, read once per
+    process; unset means eager since Synapse 1.21). Without the bridge, the same rule on the environment."""
+    fn = import_component(INTERNAL, "is_lazy")
+    if fn is not None:
+        return bool(fn())
+    return os.environ.get("PT_HPU_LAZY_MODE", "0") != "0"
 
 
 def clear_cache() -> None:

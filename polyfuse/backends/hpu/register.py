@@ -1,4 +1,4 @@
-"""Registrations of the HPU implementations and runtime. Imported by ``polyfuse.backends.hpu``.
+"""Registers the HPU implementations and runtime (the ``hpu`` entry point).
 
 Importing this module never imports ``habana_frameworks``: the probes do, lazily and cached, when the registry
 resolves a model build on device ``hpu``.
@@ -14,8 +14,10 @@ from polyfuse.backends.hpu.attention import fused_sdpa
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
 from polyfuse.backends.hpu.runtime import HpuRuntime
-from polyfuse.backends.registry import Implementation, SelectionContext, register
-from polyfuse.backends.runtime import register_runtime
+from polyfuse.core.context import SelectionContext
+from polyfuse.core.registry import Implementation
+from polyfuse.core.registry import register as register_impl
+from polyfuse.core.runtime import register_runtime
 
 
 BACKEND = "hpu"
@@ -45,7 +47,13 @@ IMPLEMENTATIONS = [
     _impl("rotary", "fused_rope", fused_rope, _habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
 ]
 
-for _impl in IMPLEMENTATIONS:
-    register(_impl)
+_done = []
 
-register_runtime("hpu", HpuRuntime)
+
+def register() -> None:
+    """The ``polyfuse.backends`` entry point ``hpu``."""
+    if not _done:
+        for impl in IMPLEMENTATIONS:
+            register_impl(impl)
+        register_runtime("hpu", HpuRuntime)
+        _done.append(True)

@@ -1,43 +1,64 @@
-"""``HpuRuntime``: step boundaries, HPU graphs, sync and memory statistics on Gaudi.
+"""``HpuRuntime``: step boundaries, HPU graphs, torch.compile backend, sync and memory statistics on Gaudi.
 
-* Lazy mode (``PT_HPU_LAZY_MODE`` unset or != "0", the Habana default) accumulates ops into a graph that runs at
-  ``mark_step()``. The generation loop calls ``runtime.mark_step()`` after every step, and the model calls the hook
-  from ``layer_hook()`` before every decoder layer in inference, as optimum-habana's ``GaudiLlamaModel`` does.
-  With ``PT_HPU_LAZY_MODE=0`` (eager / torch.compile) mark_step is never called.
+* Creating the runtime (which the model build does for device ``hpu``) imports ``habana_frameworks.torch``, which
+  registers the hpu device with torch, as optimum-habana's ``setup_device`` does for ``--device hpu``.
+* Lazy or eager is Habana's own answer, ``habana_frameworks.torch.utils.internal.is_lazy()``: ``PT_HPU_LAZY_MODE``,
+  read once when the bridge is imported; **unset means eager since Synapse 1.21** (it meant lazy up to 1.20).
+* Lazy mode accumulates ops into a graph that runs at ``mark_step()``. The generation loop calls
+  ``runtime.mark_step()`` after every step, and the model calls the hook from ``layer_hook()`` before every decoder
+  layer in inference, as optimum-habana's ``GaudiLlamaModel`` does. In eager mode mark_step is never called (it is a
+  lazy-only function there; optimum-habana PR #707).
 * ``graph_module`` wraps a step module with ``habana_frameworks.torch.hpu.wrap_in_hpu_graph`` under
-  ``--use_hpu_graphs``. That call replaces ``module.forward`` in place (and gives the wrapper a
-  ``bypass_hpu_graphs=True`` keyword that runs the plain forward), so a module is wrapped once whatever phase asks
-  first, and each phase gets an :class:`HpuGraphStep` around it. With ``--limit_hpu_graphs`` the prefill step passes
-  ``bypass_hpu_graphs=True``: exactly optimum-habana's first-token bypass; no graph is captured for the prompt.
-  ``step.reset()`` drops the captured graphs (``module.clear_cache()``), needed when the KV cache is reallocated:
-  graphs hold the tensors they were captured with.
+  ``--use_hpu_graphs`` (lazy mode only: the bridge does not export the graph API in eager mode, and
+  ``wrap_in_hpu_graph`` is not even looked up there). That call replaces ``module.forward`` in place (and gives the
+  wrapper a ``bypass_hpu_graphs=True`` keyword that runs the plain forward), so a module is wrapped once whatever
+  phase asks first, and each phase gets an :class:`HpuGraphStep` around it. With ``--limit_hpu_graphs`` the prefill
+  step passes ``bypass_hpu_graphs=True``: exactly optimum-habana's first-token bypass; no graph is captured for the
+  prompt. ``step.reset()`` drops the captured graphs (``module.clear_cache()``), needed when the KV cache is
+  reallocated: graphs hold the tensors they were captured with.
+* HPU graphs key their cache on the inputs' shapes and *views* (a slice that moves along its base is a new graph)
+  and on the value of every non-tensor argument; a replay copies the new inputs into the capture-time tensors and
+  returns the capture-time outputs. The decoding loop therefore feeds one persistent cache-position tensor advanced
+  in place (optimum-habana's ``token_idx.add_(1)``), so it captures one decode graph per KV bucket.
+* ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
+  and only in eager mode: "Dynamo and lazy are mutually exclusive" (optimum-habana's training_args.py).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
 
 from polyfuse.backends.hpu import _habana
-from polyfuse.backends.runtime import DeviceRuntime
+from polyfuse.core.runtime import DeviceRuntime, Step
 
 
 logger = logging.getLogger("polyfuse")
 
 _WRAPPED = "_polyfuse_hpu_graph"
 
+GRAPHS_NEED_LAZY = (
+    "--use_hpu_graphs needs Habana's lazy mode, and this process runs in eager mode (the default since Synapse 1.21): "
+    "set PT_HPU_LAZY_MODE=1 before starting Python, or use --torch_compile"
+)
+COMPILE_NEEDS_EAGER = (
+    "--torch_compile on HPU needs Habana's eager mode, and this process runs in lazy mode: "
+    "set PT_HPU_LAZY_MODE=0 (or leave it unset on Synapse 1.21+) before starting Python"
+)
+
 
 def lazy_mode_enabled() -> bool:
-    return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+    """Habana's ``is_lazy()`` (PT_HPU_LAZY_MODE read once by the bridge; unset = eager since Synapse 1.21)."""
+    return _habana.is_lazy()
 
 
-class HpuGraphStep:
+class HpuGraphStep(Step):
     """What ``graph_module`` returns under --use_hpu_graphs: calls the module wrapped by ``wrap_in_hpu_graph``."""
 
     def __init__(self, module: torch.nn.Module, bypass: bool = False):
+        super().__init__(module)
         self.module = module
         self.bypass = bypass  # --limit_hpu_graphs on the prefill step: run the plain forward
 
@@ -55,12 +76,22 @@ class HpuGraphStep:
 
 class HpuRuntime(DeviceRuntime):
     device_type = "hpu"
-    graph_flag = "use_hpu_graphs"
+    honours = frozenset(
+        {
+            "use_hpu_graphs",
+            "limit_hpu_graphs",
+            "flash_attention_recompute",
+            "flash_attention_causal_mask",
+            "flash_attention_fast_softmax",
+            "attn_softmax_bf16",
+        }
+    )
     # Whether HPU graphs replay in-place updates of their inputs faithfully is unverified: keep the per-token loop.
     inplace_decode = False
 
     def __init__(self, device: torch.device):
         super().__init__(device)
+        _habana.import_bridge()  # registers the hpu device with torch; harmless (False) outside Habana's stack
         self.lazy_mode = lazy_mode_enabled()
 
     # -- step boundaries -------------------------------------------------------------------------------------------
@@ -82,12 +113,12 @@ class HpuRuntime(DeviceRuntime):
         if phase not in ("prefill", "decode"):
             raise ValueError(f"graph_module: phase must be 'prefill' or 'decode', got {phase!r}")
         if not flags.get("use_hpu_graphs"):
-            return module
+            return Step(module)
         if flags.get("torch_compile"):
             logger.warning("polyfuse: --use_hpu_graphs is ignored with --torch_compile (as in optimum-habana)")
-            return module
+            return Step(module)
         if not self.lazy_mode:
-            raise ValueError("--use_hpu_graphs needs lazy mode (PT_HPU_LAZY_MODE=1) or --torch_compile")
+            raise ValueError(GRAPHS_NEED_LAZY)
         wrap = _habana.require(_habana.HPU, "wrap_in_hpu_graph")
         if not getattr(module, _WRAPPED, False):
             kwargs = {}
@@ -96,6 +127,25 @@ class HpuRuntime(DeviceRuntime):
             module = wrap(module, **kwargs)
             setattr(module, _WRAPPED, True)
         return HpuGraphStep(module, bypass=phase == "prefill" and bool(flags.get("limit_hpu_graphs")))
+
+    def compile_backend(self) -> str:
+        """``"hpu_backend"``, in eager mode only (ValueError naming PT_HPU_LAZY_MODE=0 in lazy mode)."""
+        if self.lazy_mode:
+            raise ValueError(COMPILE_NEEDS_EAGER)
+        return "hpu_backend"
+
+    # -- training --------------------------------------------------------------------------------------------------
+    def fused_optimizer(self, params, **kwargs):
+        """Habana's FusedAdamW (GaudiConfig ``use_fused_adam``), or None outside Habana's stack."""
+        from polyfuse.backends.hpu.optim import fused_adamw
+
+        return fused_adamw(params, **kwargs)
+
+    def fused_clip_norm(self, params, max_norm: float):
+        """Habana's FusedClipNorm (GaudiConfig ``use_fused_clip_norm``), or None outside Habana's stack."""
+        from polyfuse.backends.hpu.optim import fused_clip_norm
+
+        return fused_clip_norm(params, max_norm)
 
     # -- sync and memory -------------------------------------------------------------------------------------------
     def synchronize(self) -> None:

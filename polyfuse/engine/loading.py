@@ -1,0 +1,230 @@
+"""Build any polyfuse model: config -> modules on the meta device -> storage in the target dtype and device ->
+weights copied in one tensor at a time (no random init, no second full copy) -> kernels resolved by the registry.
+
+Model-agnostic: every function takes the model class (or model). What a class must provide is in
+``polyfuse.engine.protocol``: ``config_class`` and ``config_for`` (which configs it takes), ``fused_projections``
+(its load-time fusions of transformers' weights) and ``init_buffers`` (tables derived from the config).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+
+from polyfuse.core.context import SelectionContext
+from polyfuse.core.errors import CheckpointError
+from polyfuse.core.registry import resolve
+from polyfuse.core.runtime import get_runtime
+from polyfuse.engine.config import gguf_architecture, gguf_config_fields, read_config_dict
+from polyfuse.engine.weights import iter_gguf, iter_safetensors, open_gguf
+from polyfuse.ops.attention import options_from_flags
+
+
+# Threads reading safetensors tensors and copying them to the device concurrently.
+LOAD_WORKERS = min(8, os.cpu_count() or 1)
+
+logger = logging.getLogger("polyfuse")
+
+
+def _target(fused: dict, hf_name: str) -> tuple[str, Optional[slice]]:
+    """HF parameter name -> (model parameter name, row slice inside it or None)."""
+    for frag, parts in fused.items():
+        start = 0
+        for part, size in parts:
+            if f".{part}." in hf_name:
+                return hf_name.replace(part, frag), slice(start, start + size)
+            start += size
+    return hf_name, None
+
+
+def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False):
+    """Empty model (uninitialized storage) on ``device`` in ``dtype``, with kernels resolved."""
+    device = torch.device(device)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_buffers(device)
+    model.train(training)
+    set_kernels(model, flags or {}, overrides, training)
+    return model
+
+
+def set_kernels(model, flags: dict, overrides: str = "", training: bool = False):
+    """(Re)resolve the model's kernels for its device and dtype and the run's flags."""
+    ctx = SelectionContext(model.device, model.dtype, dict(flags), training, overrides)
+    model.kernels = resolve(ctx)
+    model.runtime = get_runtime(model.device)
+    model.flags = dict(flags)
+    model.attention_options = options_from_flags(flags)
+    if "attn_softmax_bf16" not in model.runtime.honours:
+        model.attention_options["softmax_bf16"] = False  # a Gaudi option (check_flags warns about it elsewhere)
+    if flags.get("torch_compile"):
+        model.kernels = model.kernels.compiled(model.runtime.compile_backend())
+    return model.kernels
+
+
+def load_weights(model, tensors, workers: int = 1) -> None:
+    """Copy (HF name, tensor) pairs into the model's parameters. A tensor may be a zero-argument callable that reads
+    it: with ``workers`` > 1 the reads and the host-to-device copies of different tensors then overlap."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    fused = model.fused_projections()
+    tied = model.config.tie_word_embeddings
+    tied_head = {}  # a tied model's lm_head.weight found in the checkpoint: compared with the embedding at the end
+
+    def place(item) -> Optional[str]:
+        hf_name, tensor = item
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            return None
+        if tied and hf_name == "lm_head.weight":
+            # Never written into the shared tensor here: with threads the embedding and this head would race.
+            tied_head[hf_name] = tensor() if callable(tensor) else tensor
+            return hf_name
+        name, rows = _target(fused, hf_name)
+        param = params.get(name)
+        if param is None:
+            raise CheckpointError(f"unexpected weight {hf_name!r} for a {model.config.model_type} checkpoint")
+        if callable(tensor):
+            tensor = tensor()
+        dst = param.data if rows is None else param.data[rows]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return hf_name
+
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            seen = set(pool.map(place, tensors))
+    else:
+        seen = {place(item) for item in tensors}
+    if tied_head:
+        _tie_or_untie(model, tied_head["lm_head.weight"], "model.embed_tokens.weight" in seen)
+        seen.add("model.embed_tokens.weight")
+    missing = sorted(set(expected_hf_names(model)) - seen)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
+
+
+def _tie_or_untie(model, head: torch.Tensor, have_embedding: bool) -> None:
+    """``tie_word_embeddings`` with an ``lm_head.weight`` in the checkpoint, as transformers does: equal to the
+    embedding (or no embedding in the checkpoint) -> stay tied; different -> untie, lm_head keeps its own weights
+    (one warning), and the config says so, so a save writes both."""
+    emb = model.get_input_embeddings().weight
+    if tuple(head.shape) != tuple(emb.shape):
+        raise CheckpointError(f"weight 'lm_head.weight' has shape {tuple(head.shape)}, expected {tuple(emb.shape)}")
+    head = head.to(device=emb.device, dtype=emb.dtype)
+    if not have_embedding:
+        emb.data.copy_(head)
+        return
+    if torch.equal(head, emb.data):
+        return
+    logger.warning(
+        "warning: tie_word_embeddings is true but the checkpoint's lm_head.weight differs from "
+        "model.embed_tokens.weight; untying them (lm_head keeps its own weights, as transformers does)"
+    )
+    model.config.tie_word_embeddings = False
+    lm_head = model.get_output_embeddings()
+    lm_head.weight = torch.nn.Parameter(head.clone(), requires_grad=emb.requires_grad)
+
+
+def expected_hf_names(model) -> list[str]:
+    return [n for n, _ in hf_state_items(model)]
+
+
+def hf_state_items(model):
+    """(HF name, tensor view) for every weight, splitting the fused projections back."""
+    fused = model.fused_projections()
+    for name, param in model.named_parameters():
+        hit = next(((f, parts) for f, parts in fused.items() if f".{f}." in name), None)
+        if hit is None:
+            yield name, param.data
+            continue
+        frag, parts = hit
+        for (part, _), chunk in zip(parts, param.data.split([s for _, s in parts], dim=0)):
+            yield name.replace(frag, part), chunk
+
+
+def dtype_of(dtype):
+    if isinstance(dtype, str):
+        dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    return dtype
+
+
+def _gguf_path(path: Optional[str], gguf_file: str) -> str:
+    return gguf_file if os.path.isabs(gguf_file) or path is None else os.path.join(path, gguf_file)
+
+
+def checkpoint_model_type(path: Optional[str], gguf_file: Optional[str]) -> tuple[str, str]:
+    """(model_type, where) of a checkpoint, read before anything else: config.json's ``model_type`` or the GGUF's
+    ``general.architecture``."""
+    if gguf_file is not None:
+        file = _gguf_path(path, gguf_file)
+        return gguf_architecture(open_gguf(file)) or "unknown", file
+    if path is None or not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    raw = read_config_dict(path)
+    return raw.get("model_type") or raw.get("architectures") or "unknown", path
+
+
+def read_checkpoint_config(path: Optional[str], gguf_file: Optional[str]):
+    """(raw config dict, tensors iterator factory, workers) for a folder or a GGUF file."""
+    if gguf_file is not None:
+        file = _gguf_path(path, gguf_file)
+        reader = open_gguf(file)
+        arch = gguf_architecture(reader)
+        raw = dict(gguf_config_fields(reader, file) if arch else {}, model_type=arch or "unknown")
+        return raw, (lambda config: iter_gguf(reader, config, arch)), 1, file
+    if path is None or not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    return read_config_dict(path), (lambda config: iter_safetensors(path)), LOAD_WORKERS, path
+
+
+def from_pretrained(
+    model_cls,
+    path: str,
+    gguf_file: Optional[str] = None,
+    dtype=torch.float32,
+    device="cpu",
+    flags: Optional[dict] = None,
+    overrides: str = "",
+    training: bool = False,
+):
+    t0 = time.perf_counter()
+    dtype = dtype_of(dtype) or torch.float32
+    raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)
+    config = model_cls.config_for(raw, where)
+    model = build(model_cls, config, dtype, device, flags, overrides, training)
+    with torch.no_grad():
+        load_weights(model, tensors(config), workers=workers)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    model.load_seconds = time.perf_counter() - t0
+    return model
+
+
+def from_config(
+    model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0
+):
+    """Random weights in the given shape (HF's init: normal(0, initializer_range), norms at one, biases at zero)."""
+    model = build(model_cls, config, dtype_of(dtype) or torch.float32, device, flags, overrides, training)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return model

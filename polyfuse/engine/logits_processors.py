@@ -1,0 +1,32 @@
+"""Logits processors applied before the token choice, with transformers' semantics.
+
+``repetition_penalty`` is transformers' ``RepetitionPenaltyLogitsProcessor``: every token id present in the row so
+far (prompt, left padding included, as transformers passes the whole ``input_ids``; then every generated token) has
+its score divided by the penalty where positive and multiplied by it where negative. The row's "seen" ids are kept as
+a persistent bool mask [rows, vocab] updated in place with one ``scatter_`` per token, so the greedy in-place
+``TokenStep`` applies it inside its CUDA graph (no host work per token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def seen_mask(ids: torch.Tensor, vocab: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [rows, vocab], True at every id present in ``ids`` [rows, L]; written into ``out`` when given."""
+    if out is None:
+        out = torch.zeros(ids.shape[0], vocab, dtype=torch.bool, device=ids.device)
+    else:
+        out.zero_()
+    return out.scatter_(1, ids, True)
+
+
+def mark_seen_(seen: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Add ``tokens`` [rows] to each row's seen ids, in place."""
+    seen.scatter_(1, tokens[:, None], True)
+
+
+def penalize(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty on fp32 ``scores`` [rows, vocab] at the ``seen`` ids (elementwise the same
+    arithmetic as its gather / where / scatter, so bitwise the same scores)."""
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)

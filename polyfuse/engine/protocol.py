@@ -1,0 +1,56 @@
+"""The contract between the decoding engine (generation, loading, saving) and a model family.
+
+The engine never reaches into a model's modules: it calls only what is listed here. ``polyfuse.models.decoder``
+implements all of it once for the decoder-only families; a new family subclasses that and changes what differs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+
+class CausalLM(Protocol):
+    # -- set by the loader (polyfuse.engine.loading) ------------------------------------------------------------
+    config: object  # a transformers config of the family
+    kernels: object  # polyfuse.core.Kernels
+    runtime: object  # polyfuse.core.DeviceRuntime
+    flags: dict
+    attention_options: dict
+    cache: Optional[object]  # polyfuse.engine.kv_cache.StaticKVCache, owned by the engine
+
+    device: torch.device
+    dtype: torch.dtype
+
+    # -- building (class side) ----------------------------------------------------------------------------------
+    hf_architecture: str  # transformers' class name written to config.json ("LlamaForCausalLM")
+
+    @classmethod
+    def config_for(cls, raw: dict, where: str):
+        """The family's transformers config from a config.json dict (or a GGUF's fields); CheckpointError if the
+        model_type is not this family's."""
+
+    def fused_projections(self) -> dict:
+        """{fused parameter fragment: [(transformers' fragment, rows), ...]} for the weights fused at load time
+        (``"self_attn.qkv_proj": [("self_attn.q_proj", 4096), ...]``); saving splits them back."""
+
+    def init_buffers(self, device) -> None:
+        """Compute derived tables (rotary frequencies) once the model has storage on ``device``."""
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding where the config says so."""
+
+    # -- decoding ----------------------------------------------------------------------------------------------
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim) of the static KV cache the engine allocates into ``self.cache``."""
+
+    def prepare_positions(self, length: int) -> bool:
+        """Make position tables cover ``length``; True when a table was rebuilt (the engine then resets captured
+        graphs, which hold the old tables)."""
+
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
+        """One cached step (prefill or decode): writes ``self.cache``, returns the last position's logits [B, V]."""
+
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+        """Full-sequence forward without a cache: an output with ``.logits`` (or ``.loss`` with labels)."""

@@ -1,0 +1,22 @@
+"""Model families on the shared decoder (``decoder.py``): Llama, Mistral, Qwen2, Qwen3; ``auto.py`` picks one from
+a checkpoint's ``model_type``."""
+
+from polyfuse.models.auto import FAMILIES, AutoModelForCausalLM, family_for
+from polyfuse.models.decoder import CausalLMOutput, DecoderForCausalLM
+from polyfuse.models.llama import LlamaForCausalLM
+from polyfuse.models.mistral import MistralForCausalLM
+from polyfuse.models.qwen2 import Qwen2ForCausalLM
+from polyfuse.models.qwen3 import Qwen3ForCausalLM
+
+
+__all__ = [
+    "FAMILIES",
+    "AutoModelForCausalLM",
+    "CausalLMOutput",
+    "DecoderForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "family_for",
+]

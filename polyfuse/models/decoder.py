@@ -1,0 +1,311 @@
+"""The decoder-only transformer every family shares, on abstract ops.
+
+Every computation goes through ``f.ops`` (the registry's ``Kernels``, resolved once per build); modules hold only
+weights and shapes. Weight names are transformers' except two fusions made at load time: ``qkv_proj`` =
+[q_proj; k_proj; v_proj] and ``gate_up_proj`` = [gate_proj; up_proj] (split back on save). A family subclasses
+:class:`DecoderForCausalLM` (and, where its layers differ, :class:`Attention`) and names its transformers config.
+The engine (``polyfuse.engine``) loads, saves and generates through the protocol in ``engine/protocol.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from transformers.utils import ModelOutput
+
+from polyfuse.core.errors import CheckpointError
+from polyfuse.engine import loading, saving
+from polyfuse.engine.config import config_from_dict, head_dim
+from polyfuse.engine.rope import RotaryEmbedding
+from polyfuse.ops.attention import AttentionMeta, cache_mask
+
+
+@dataclass
+class CausalLMOutput(ModelOutput):
+    """transformers' output convention: attribute, key and index access (``out[0]`` is the loss when present)."""
+
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+
+
+@dataclass
+class Forward:
+    """What every layer of one forward sees: the ops, rotary tables, attention metadata per window, the cache."""
+
+    ops: Any  # polyfuse.core.Kernels
+    cos: torch.Tensor
+    sin: torch.Tensor
+    metas: dict  # sliding window (None: full) -> AttentionMeta
+    cache: Any = None  # StaticKVCache, or None for a cache-less forward
+    cache_position: Optional[torch.Tensor] = None
+    kv_len: Optional[int] = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+
+def layer_window(config, layer_idx: int) -> Optional[int]:
+    """The sliding window of one layer: transformers' ``layer_types`` where the config has them (Qwen2/Qwen3: only
+    "sliding_attention" layers), else ``sliding_window`` for every layer (Mistral); None: full attention."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and types[layer_idx] != "sliding_attention"):
+        return None
+    return int(window)
+
+
+class Attention(nn.Module):
+    qkv_bias_default = False  # Qwen2 has q/k/v biases without saying so in its config
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim(config),
+        )
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias or self.qkv_bias_default
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.window = layer_window(config, layer_idx)
+
+    def heads(self, x, f: Forward):
+        """q, k, v as [B, L, heads, D] (a family that normalizes heads overrides this)."""
+        b, n, _ = x.shape
+        q, k, v = f.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+        return (
+            q.view(b, n, self.n_heads, self.head_dim),
+            k.view(b, n, self.n_kv, self.head_dim),
+            v.view(b, n, self.n_kv, self.head_dim),
+        )
+
+    def forward(self, x, f: Forward):
+        b, n, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.heads(x, f))
+        if f.cache is None:
+            q, k = f.ops.rotary(q, k, f.cos, f.sin)
+        else:
+            kc, vc = f.cache.k[self.layer_idx], f.cache.v[self.layer_idx]
+            q = f.ops.rotary_kv_write(q, k, v, f.cos, f.sin, kc, vc, f.cache_position)
+            k, v = kc[:, :, : f.kv_len], vc[:, :, : f.kv_len]
+        out = f.ops.attention(q, k, v, f.metas[self.window])
+        return f.ops.linear(out.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.inter = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
+
+    def forward(self, x, f: Forward):
+        gate_up = f.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
+        return f.ops.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, attention_cls=Attention):
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, pending, residual, f: Forward):
+        """``pending`` is the previous block's output not yet added to ``residual`` (None before layer 0)."""
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = f.ops.rms_norm(pending, norm.weight, norm.eps), pending
+        else:
+            h, residual = f.ops.add_rms_norm(pending, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, f)
+        norm = self.post_attention_layernorm
+        h, residual = f.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, f), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, attention_cls=Attention):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class DecoderForCausalLM(nn.Module):
+    """HF-compatible causal LM. Build with ``from_pretrained`` / ``from_config``; a family sets the class fields."""
+
+    config_class = None  # the family's transformers config class
+    model_types: tuple = ()  # config.json model_type values this family takes
+    hf_architecture = ""  # transformers' class name, written to config.json on save
+    attention_cls = Attention
+    supports_gradient_checkpointing = True
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.attention_cls)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.windows = sorted({layer.self_attn.window for layer in self.model.layers}, key=lambda w: w or 0)
+        self.kernels = None  # polyfuse.core.Kernels, set by the loader
+        self.runtime = None  # polyfuse.core.DeviceRuntime, set by the loader
+        self.flags: dict = {}
+        self.cache = None  # polyfuse.engine.kv_cache.StaticKVCache, allocated by the engine
+        self.attention_options: dict = {}
+        self.gradient_checkpointing = False
+
+    # -- building (engine/protocol.py) ---------------------------------------------------------------------------
+
+    @classmethod
+    def config_for(cls, raw: dict, where: str):
+        if raw.get("model_type") not in cls.model_types:
+            raise CheckpointError(f"{where}: model_type {raw.get('model_type')!r} is not a {cls.__name__}")
+        return config_from_dict(cls.config_class, raw, where)
+
+    @classmethod
+    def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
+                        training=False):  # fmt: skip
+        return loading.from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training)
+
+    @classmethod
+    def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0):
+        return loading.from_config(cls, config, dtype, device, flags, overrides, training, seed)
+
+    def save_pretrained(self, path: str, **kwargs) -> None:
+        saving.save_pretrained(self, path, **kwargs)
+
+    def fused_projections(self) -> dict:
+        attn, inter = self.model.layers[0].self_attn, self.config.intermediate_size
+        return {
+            "self_attn.qkv_proj": [
+                ("self_attn.q_proj", attn.q_size), ("self_attn.k_proj", attn.kv_size), ("self_attn.v_proj", attn.kv_size)
+            ],
+            "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)],
+        }  # fmt: skip
+
+    def init_buffers(self, device) -> None:
+        self.model.rotary_emb.init_frequencies(device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # -- transformers' API ---------------------------------------------------------------------------------------
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Trainer's ``gradient_checkpointing=True`` calls it: each decoder block is recomputed in the backward."""
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        from polyfuse.engine.generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
+
+    # -- the forward ---------------------------------------------------------------------------------------------
+
+    def make_metas(self, n_q: int, key_mask, cache_position, kv_len: int, cached: bool) -> dict:
+        """One AttentionMeta per sliding window in use. key_mask [B, >=kv_len] bool marks real keys (False: left
+        padding); None means no padding (plain causal)."""
+        return {w: self._meta(n_q, key_mask, cache_position, kv_len, cached, w) for w in self.windows}
+
+    def _meta(self, n_q, key_mask, cache_position, kv_len, cached, window) -> AttentionMeta:
+        scale = head_dim(self.config) ** -0.5
+        meta = AttentionMeta(scale=scale, decode=n_q == 1 and cached, window=window, **self.attention_options)
+        if key_mask is None:
+            meta.is_causal = True  # no padding and keys == queries: plain causal
+            return meta
+        if meta.decode:
+            # Kernels that read key_mask + cache_position directly never build the additive mask.
+            meta.key_mask, meta.cache_position = key_mask[:, :kv_len], cache_position
+            meta.lazy_mask = lambda: cache_mask(key_mask, cache_position, kv_len, self.dtype, window)
+            return meta
+        meta.mask = cache_mask(key_mask, cache_position, kv_len, self.dtype, window)
+        meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
+        return meta
+
+    def hidden_states(self, input_ids, position_ids, f: Forward) -> torch.Tensor:
+        m = self.model
+        f.cos, f.sin = m.rotary_emb(position_ids)
+        hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
+        pending, residual = m.embed_tokens(input_ids), None
+        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in m.layers:
+            if hook is not None:
+                hook()
+            if checkpointing and residual is not None:
+                # Activation checkpointing: keep each block's inputs, recompute its insides in the backward.
+                pending, residual = torch.utils.checkpoint.checkpoint(layer, pending, residual, f, use_reentrant=False)
+            else:
+                pending, residual = layer(pending, residual, f)
+        return f.ops.add_rms_norm(pending, residual, m.norm.weight, m.norm.eps)[0]
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
+        """Full-sequence forward without a cache (training, scoring). With ``labels`` the loss is computed by the
+        fused linear cross-entropy and the [tokens, vocab] logits are not materialized (``logits`` is None)."""
+        b, n = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, n)
+        key_mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            key_mask = attention_mask.bool()
+        metas = self.make_metas(n, key_mask, torch.arange(n, device=input_ids.device), n, cached=False)
+        self.model.rotary_emb.update_length(n)
+        self.model.rotary_emb.ensure_length(n)
+        h = self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
+        if labels is None:
+            return CausalLMOutput(logits=self.lm_head(h))
+        shift_h = h[:, :-1].reshape(-1, h.shape[-1])
+        shift_labels = labels[:, 1:].reshape(-1).to(h.device)
+        loss = self.kernels.linear_cross_entropy(shift_h, self.lm_head.weight, shift_labels, -100, "mean")
+        return CausalLMOutput(loss=loss)
+
+    # -- the engine's side (engine/protocol.py) -----------------------------------------------------------------
+
+    def kv_cache_layout(self) -> tuple[int, int, int]:
+        cfg = self.config
+        return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
+
+    def prepare_positions(self, length: int) -> bool:
+        return self.model.rotary_emb.update_length(length)
+
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
+        metas = self.make_metas(input_ids.shape[1], key_mask, cache_position, kv_len, cached=True)
+        f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
+        h = self.hidden_states(input_ids, position_ids, f)
+        return self.kernels.linear(h[:, -1], self.lm_head.weight, self.lm_head.bias)
