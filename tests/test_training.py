@@ -77,7 +77,7 @@ def _triton_impls():
     out = []
     for op in ops():
         for impl in implementations(op):
-            if impl.backend == "cuda" and impl.supports_backward and "triton" in impl.name.lower():
+            if impl.backend in ("cuda", "triton") and impl.supports_backward and "triton" in impl.name.lower():
                 out.append(impl)
     return out
 
