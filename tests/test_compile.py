@@ -40,11 +40,12 @@ def test_compiled_ops_do_not_recompile_while_decoding():
     assert torch.equal(out, eager_ids), "compiled ops changed the greedy tokens"
 
 
-def test_lazily_imported_implementations_compile_once_each(monkeypatch):
+def test_lazily_imported_implementations_never_hit_the_recompile_limit(monkeypatch):
     """Backends register lazily imported kernels through one wrapper (polyfuse.core.plugins.lazy_function): one code
-    object shared by every op. Compiled as is, dynamo counts each op as a recompile of that one frame and gives up
-    at its recompile limit (issue 14: "hit config.recompile_limit (8) ... function: 'fn'" on the GPU). Each op must
-    compile as its own frame: with the limit at 1, two such ops compile to two graphs and nothing falls back."""
+    object shared by every op. Compiling those wrappers made dynamo count each op as a recompile of that one frame
+    and give up at its recompile limit (issue 14: "hit config.recompile_limit (8) ... function: 'fn'" on the GPU).
+    Now fused implementations run uncompiled (they are kernels already) and every native op compiles as its own
+    frame: with the limit at 1, the two native ops compile to two graphs and nothing falls back."""
     from polyfuse.core import registry
     from polyfuse.core.plugins import lazy_function
     from polyfuse.core.registry import Implementation, SelectionContext
@@ -62,9 +63,14 @@ def test_lazily_imported_implementations_compile_once_each(monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     compiled = kernels.compiled(backend="eager")
-    x, w = torch.randn(4, 8), torch.rand(8) + 0.5
+    assert "rms_norm" not in compiled.compiled_ops and "swiglu" not in compiled.compiled_ops
+    assert {"add_rms_norm", "rotary"} <= set(compiled.compiled_ops)
+    x, w = torch.randn(2, 3, 8), torch.rand(8) + 0.5
+    q, k, cos = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 3, 8)
     for _ in range(3):
         torch.testing.assert_close(compiled.rms_norm(x, w, 1e-6), kernels.rms_norm(x, w, 1e-6))
         torch.testing.assert_close(compiled.swiglu(x, x), kernels.swiglu(x, x))
+        torch.testing.assert_close(compiled.add_rms_norm(x, x, w, 1e-6), kernels.add_rms_norm(x, x, w, 1e-6))
+        torch.testing.assert_close(compiled.rotary(q, k, cos, cos), kernels.rotary(q, k, cos, cos))
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not any("recompile limit" in k for k in counters["unimplemented"]), dict(counters["unimplemented"])

@@ -182,11 +182,14 @@ def test_torch_compile_on_the_gpu_stays_within_the_recompile_limit(pair):
     from torch._dynamo.utils import counters
 
     _, _, path = pair
-    flags = {"use_flash_attention": True}
-    eager = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda", flags=flags).eval()
+    flags, ops = {"use_flash_attention": True}, "-rms_norm,-rotary"  # two native ops for torch.compile to take
+    eager = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, device="cuda", flags=flags, overrides=ops)
     compiled = LlamaForCausalLM.from_pretrained(
-        path, dtype=torch.float32, device="cuda", flags=dict(flags, torch_compile=True)
-    ).eval()
+        path, dtype=torch.float32, device="cuda", flags=dict(flags, torch_compile=True), overrides=ops
+    )
+    eager.eval(), compiled.eval()
+    assert {"rms_norm", "rotary"} <= set(compiled.kernels.compiled_ops)
+    assert compiled.kernels.choices["attention"].implementation.name == "triton_decode"  # fused: runs uncompiled
     ids, mask = _prompts(1000, "cuda")
     torch._dynamo.reset()
     counters.clear()

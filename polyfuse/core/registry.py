@@ -299,15 +299,17 @@ class Kernels:
         return "\n".join(lines)
 
     def compiled(self, backend: str = "inductor") -> "Kernels":
-        """The same choices with every op function wrapped in torch.compile. Standalone functions, not module
-        forwards bound to ``self``, so decoding does not recompile per layer or per token."""
-        for choice in self.choices.values():
-            for impl in (choice.implementation, *choice.then):
-                for f in (impl.fn, impl.accepts):
-                    getattr(f, "resolve", lambda: None)()  # lazily imported kernels: import now, not under dynamo
+        """The same choices with every op that runs its native reference (or composite definition) wrapped in
+        torch.compile; fused implementations are kernels already and run as they are (tracing their launchers gains
+        nothing and inductor cannot lower every launcher's argument preparation). Standalone functions, not module
+        forwards bound to ``self``, each with its own code object, so decoding does not recompile per layer, per
+        token or per op."""
         out = Kernels(self.choices, self.context)
-        for name in self.choices:
-            setattr(out, name, torch.compile(_own_code(getattr(out, name), name), backend=backend, dynamic=None))
+        out.compiled_ops = []
+        for name, choice in self.choices.items():
+            if choice.implementation.name == NATIVE:
+                setattr(out, name, torch.compile(_own_code(getattr(out, name), name), backend=backend, dynamic=None))
+                out.compiled_ops.append(name)
         return out
 
     def as_dict(self) -> dict:
