@@ -21,6 +21,7 @@ from polyfuse.core.errors import CheckpointError
 from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
 from polyfuse.engine.config import gguf_architecture, gguf_config_fields, read_config_dict
+from polyfuse.engine.staging import DeviceStager, SpanReader, copy_weight
 from polyfuse.engine.weights import iter_gguf, iter_safetensors, open_gguf
 from polyfuse.ops.attention import options_from_flags
 
@@ -94,19 +95,22 @@ def load_weights(model, tensors, workers: int = 1) -> None:
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"unexpected weight {hf_name!r} for a {model.config.model_type} checkpoint")
-        if callable(tensor):
-            tensor = tensor()
-        dst = param.data if rows is None else param.data[rows]
-        if tuple(dst.shape) != tuple(tensor.shape):
-            raise CheckpointError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        copy_weight(param.data if rows is None else param.data[rows], tensor, hf_name, files, stager)
         return hf_name
 
-    if workers > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            seen = set(pool.map(place, tensors))
-    else:
-        seen = {place(item) for item in tensors}
+    # GPU loads read each tensor into a pinned buffer and copy it without blocking (staging.py).
+    files = SpanReader()
+    stager = DeviceStager(model.device, files) if model.device.type == "cuda" else None
+    try:
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                seen = set(pool.map(place, tensors))
+        else:
+            seen = {place(item) for item in tensors}
+        if stager is not None:
+            stager.finish()
+    finally:
+        files.close()
     if tied_head:
         _tie_or_untie(model, tied_head["lm_head.weight"], "model.embed_tokens.weight" in seen)
         seen.add("model.embed_tokens.weight")

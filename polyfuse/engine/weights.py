@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import torch
 
 from polyfuse.core.errors import CheckpointError, one_line
+from polyfuse.engine.staging import read_spans, with_span
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
@@ -50,8 +51,9 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor
                 keys = list(f.keys())
         except SafetensorError as e:
             raise CheckpointError(f"{file}: corrupt safetensors file ({one_line(e)})") from None
+        spans = read_spans(file)  # where each tensor's bytes lie: the loader reads them in place (staging.py)
         for key in keys:
-            yield key, reader(file, key)
+            yield key, with_span(reader(file, key), spans[key])
 
 
 _GGUF_NAMES = {
