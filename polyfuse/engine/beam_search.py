@@ -8,7 +8,8 @@ stopping criteria on the candidates (max length, EOS ids, stop strings), the bes
 running, finished ones merged into the kept hypotheses with the length penalty (score / new_length **
 length_penalty), the early-stop heuristic (``early_stopping``: False, True or "never"). The output is the best
 ``num_return_sequences`` hypotheses per prompt, rows ``b * num_return_sequences + r``, cut to the longest of them
-and padded after EOS with ``pad_token_id``.
+and padded after EOS with ``pad_token_id`` (transformers pads with ``pad_token_id or eos_token_id``: the EOS id
+where the pad id is 0; everything else is the same).
 
 The cache follows the beams: after each step every layer's keys and values are gathered by the parent-beam index,
 in place and only over the positions written so far, before the next token is fed. The gather writes into the same

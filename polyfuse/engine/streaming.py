@@ -8,7 +8,8 @@ id, as in transformers), then ``end()``. Beam search does not stream (as in tran
 Cost: a streamed token has to be on the host, so decoding with a streamer syncs once per token. The per-token loop
 (sampling, HPU) syncs per token anyway. Greedy decoding under the in-place ``TokenStep`` (one CUDA-graph replay per
 token) otherwise syncs once per 8 tokens; with a streamer it reads the token back after every replay instead (one
-[rows] device-to-host copy and one sync per token, which also ends generation exactly at the last EOS).
+[rows] device-to-host copy and one sync per token, which also ends generation exactly at the last EOS): on an
+H200, Llama-3-8B shape at batch 1, 231.1 tok/s against 233.1 without a streamer (docs/architecture.md).
 """
 
 from __future__ import annotations
