@@ -59,18 +59,18 @@ def test_lazily_imported_implementations_never_hit_the_recompile_limit(monkeypat
     kernels = registry.resolve(SelectionContext(torch.device("cpu")))
     assert kernels.choices["rms_norm"].implementation.name == "lazy_rms_norm"
     assert kernels.rms_norm.__code__ is kernels.swiglu.__code__, "the test needs the shared wrapper"
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     torch._dynamo.reset()
     counters.clear()
-    compiled = kernels.compiled(backend="eager")
-    assert "rms_norm" not in compiled.compiled_ops and "swiglu" not in compiled.compiled_ops
-    assert {"add_rms_norm", "rotary"} <= set(compiled.compiled_ops)
-    x, w = torch.randn(2, 3, 8), torch.rand(8) + 0.5
-    q, k, cos = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 3, 8)
-    for _ in range(3):
-        torch.testing.assert_close(compiled.rms_norm(x, w, 1e-6), kernels.rms_norm(x, w, 1e-6))
-        torch.testing.assert_close(compiled.swiglu(x, x), kernels.swiglu(x, x))
-        torch.testing.assert_close(compiled.add_rms_norm(x, x, w, 1e-6), kernels.add_rms_norm(x, x, w, 1e-6))
-        torch.testing.assert_close(compiled.rotary(q, k, cos, cos), kernels.rotary(q, k, cos, cos))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled = kernels.compiled(backend="eager")
+        assert "rms_norm" not in compiled.compiled_ops and "swiglu" not in compiled.compiled_ops
+        assert {"add_rms_norm", "rotary"} <= set(compiled.compiled_ops)
+        x, w = torch.randn(2, 3, 8), torch.rand(8) + 0.5
+        q, k, cos = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 3, 8)
+        for _ in range(3):
+            torch.testing.assert_close(compiled.rms_norm(x, w, 1e-6), kernels.rms_norm(x, w, 1e-6))
+            torch.testing.assert_close(compiled.swiglu(x, x), kernels.swiglu(x, x))
+            torch.testing.assert_close(compiled.add_rms_norm(x, x, w, 1e-6), kernels.add_rms_norm(x, x, w, 1e-6))
+            torch.testing.assert_close(compiled.rotary(q, k, cos, cos), kernels.rotary(q, k, cos, cos))
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not any("recompile limit" in k for k in counters["unimplemented"]), dict(counters["unimplemented"])

@@ -8,6 +8,7 @@ Tests marked ``hpu`` run the real kernels on a Gaudi (``make test-hpu``).
 
 import importlib.util
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -347,6 +348,82 @@ def test_sdpa_backward_through_double(hf):
     assert q.grad is not None and k.grad is not None
 
 
+def _right_padded_causal_mask(lengths, l, dtype):
+    """Additive [B, 1, L, L] causal + right-padding mask, as a training collator's batch gives it."""
+    neg = torch.finfo(dtype).min
+    pos = torch.arange(l)
+    drop = (pos[None, :] > pos[:, None])[None] | (pos[None, :] >= lengths[:, None])[:, None, :]
+    return torch.zeros(drop.shape, dtype=dtype).masked_fill(drop, neg)[:, None]
+
+
+GQA_BACKENDS = [BACKENDS[0], BACKENDS[2]]  # the double, and a real Gaudi under make test-hpu
+
+
+@pytest.mark.parametrize("habana", GQA_BACKENDS, indirect=True)
+@pytest.mark.parametrize("hkv", [1, 2, 8])
+@pytest.mark.parametrize("call", ["decode", "prefill-lengths", "prefill-mask", "prefill-causal"])
+def test_gqa_kv_go_unrepeated_and_match_native(habana, hkv, call):
+    """Grouped-query attention: k/v reach FusedSDPA with their own head count, as optimum-habana passes them, on every
+    call path; the kernel's result equals the native reference (which repeats k/v)."""
+    dev, decode = habana.device, call == "decode"
+    lq = 1 if decode else 16
+    q, k, v = (t.to(dev) for t in _qkv(b=2, hq=8, hkv=hkv, lq=lq, lk=16, d=64, dtype=torch.bfloat16))
+    lengths = torch.tensor([16, 11], dtype=torch.int32)
+    mask = _padded_causal_mask(lengths, 16, torch.bfloat16)
+    if call == "prefill-causal":
+        meta, lengths = AttentionMeta(scale=64**-0.5, is_causal=True), torch.tensor([16, 16])
+    else:
+        meta = AttentionMeta(
+            scale=64**-0.5, mask=(mask[:, :, -1:] if decode else mask).to(dev), valid_lengths=lengths.to(dev),
+            decode=decode, causal_prefill=call == "prefill-lengths",
+        )  # fmt: skip
+    out = fused_sdpa(q, k, v, meta)
+    if habana.double is not None:
+        args = _last_sdpa(habana.double)
+        assert args[0] is q and args[1] is k and args[2] is v
+        assert tuple(args[1].shape) == (2, hkv, 16, 64) and tuple(args[0].shape) == (2, 8, lq, 64)
+        assert (args[9] is not None) == (call == "prefill-lengths")
+    ref = attention_native(q, k, v, meta)
+    _assert_valid_rows_close(out.cpu(), ref.cpu(), torch.ones(2) if decode else lengths, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_sdpa_training_takes_the_mask_not_lengths(hf, fast):
+    """With gradients on, FusedSDPA never gets valid_sequence_lengths (the real kernel asserts inference) nor fast
+    softmax in non-causal recompute mode: the mask goes instead, right for the right padding of training batches."""
+    q, k, v = (t.requires_grad_() for t in _qkv(hkv=2))
+    lengths = torch.tensor([6, 4], dtype=torch.int32)
+    mask = _right_padded_causal_mask(lengths, 6, torch.float32)
+    meta = AttentionMeta(
+        scale=16**-0.5, mask=mask, valid_lengths=lengths, causal_prefill=True, recompute=True, fast_softmax=fast
+    )
+    out = fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[3] is mask and args[5] is False and args[9] is None and args[10] == "None"
+    assert args[7] == "None" and args[8] is True
+    grads = torch.autograd.grad(out[0, :, :6].sum() + out[1, :, :4].sum(), (q, k, v))
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = attention_native(q2, k2, v2, meta)
+    want = torch.autograd.grad(ref[0, :, :6].sum() + ref[1, :, :4].sum(), (q2, k2, v2))
+    torch.testing.assert_close(out[0], ref[0], **TOL[torch.float32])
+    torch.testing.assert_close(out[1, :, :4], ref[1, :, :4], **TOL[torch.float32])
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+def test_sdpa_mask_without_lengths_is_never_dropped(hf):
+    """The transformers-patch path gives a padding mask and no lengths: with --flash_attention_causal_mask the mask
+    must still reach the kernel (it used to take the causal mode with no lengths and attend to the padding)."""
+    q, k, v = _qkv(hkv=2)
+    lengths = torch.tensor([6, 3], dtype=torch.int32)
+    mask = _padded_causal_mask(lengths, 6, torch.float32)
+    meta = AttentionMeta(scale=16**-0.5, mask=mask, causal_prefill=True)
+    out = fused_sdpa(q, k, v, meta)
+    args = _last_sdpa(hf)
+    assert args[3] is mask and args[5] is False and args[9] is None
+    _assert_valid_rows_close(out, attention_native(q, k, v, meta), lengths, **TOL[torch.float32])
+
+
 def test_eager_attention_softmax_bf16():
     """--attn_softmax_bf16 (Gaudi eager attention) is honoured by the native attention the registry gives HPU runs
     without --use_flash_attention."""
@@ -427,6 +504,18 @@ def test_rope_args_and_parity(hf, dtype, l):
     q_ref, k_ref = rotary_native(q, k, cos, sin)
     torch.testing.assert_close(q_out, q_ref, **TOL[dtype])
     torch.testing.assert_close(k_out, k_ref, **TOL[dtype])
+
+
+def test_rope_tables_shared_by_the_batch(hf):
+    """cos/sin [1, L, D] for a batch of 2 (transformers' layout for position_ids [1, L], the patch path): the kernel
+    gets position_ids [B, L], one row per row of x."""
+    q, k, _ = _qkv(lq=5, lk=5)
+    cos, sin = _cos_sin(1, 5, 16)
+    q_out, k_out = fused_rope(q, k, cos, sin)
+    (args, _), _ = hf.calls("RotaryPosEmbeddingHelperV2")
+    assert args[1].shape == (1, 1, 5, 16) and args[3].shape == (2, 5)
+    for a, b in zip((q_out, k_out), rotary_native(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
 
 
 def test_rope_double_promotes_fp32_tables(hf):
@@ -553,13 +642,138 @@ def test_limit_hpu_graphs_bypasses_prefill_only(hf, lazy):
 
 def test_hpu_graphs_need_lazy_mode(hf, eager):
     rt, m = get_runtime("hpu"), _Step()
-    with pytest.raises(ValueError, match="lazy mode"):
+    with pytest.raises(ValueError) as err:
         rt.graph_module(m, "decode", {"use_hpu_graphs": True})
+    msg = str(err.value)
+    assert "PT_HPU_LAZY_MODE=1" in msg and "container" not in msg and "\n" not in msg
     # torch.compile owns graphs there: optimum-habana turns --use_hpu_graphs off.
     assert rt.graph_module(m, "decode", {"use_hpu_graphs": True, "torch_compile": True}).fn is m
     assert "wrap_in_hpu_graph" not in _names(hf)
     with pytest.raises(ValueError, match="phase"):
         rt.graph_module(m, "train", {})
+
+
+def test_double_exports_graphs_in_lazy_mode_only(monkeypatch):
+    """As the real bridge (``if is_lazy(): from .graphs import *`` in habana_frameworks/torch/hpu/__init__.py)."""
+    _import_double(monkeypatch, lazy=False)
+    import habana_frameworks.torch.hpu as hthpu
+
+    assert not hasattr(hthpu, "wrap_in_hpu_graph")
+    _import_double(monkeypatch, lazy=True)
+    import habana_frameworks.torch.hpu as hthpu
+
+    assert callable(hthpu.wrap_in_hpu_graph) and callable(hthpu.input_hash)
+    _forget_habana()
+
+
+def test_unset_lazy_mode_is_eager(hf):
+    """Synapse 1.21+: PT_HPU_LAZY_MODE unset means eager. No mark_step, no wrap_in_hpu_graph lookup, and
+    --use_hpu_graphs is one line naming the variable to set (not "run inside Habana's container")."""
+    assert "PT_HPU_LAZY_MODE" not in os.environ
+    rt = get_runtime("hpu")
+    from habana_frameworks.torch.utils.internal import is_lazy
+
+    assert not is_lazy() and not rt.lazy_mode
+    rt.mark_step()
+    assert rt.layer_hook() is None
+    with pytest.raises(ValueError, match="set PT_HPU_LAZY_MODE=1"):
+        rt.graph_module(_Step(), "decode", {"use_hpu_graphs": True})
+    assert hf.CALLS == []  # not even the eager no-op mark_step
+
+
+@pytest.mark.parametrize("env, bridge", [("0", True), ("1", False)])
+def test_lazy_mode_is_habanas_answer(hf, monkeypatch, env, bridge):
+    """The bridge read PT_HPU_LAZY_MODE when it was imported and keeps that answer (is_lazy caches it): the runtime
+    asks is_lazy(), not the environment."""
+    from habana_frameworks.torch.utils import internal
+
+    monkeypatch.setattr(internal.is_lazy, "_is_lazy", bridge)
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", env)
+    rt = get_runtime("hpu")
+    assert rt.lazy_mode is bridge
+    rt.mark_step()
+    assert _names(hf) == (["mark_step"] if bridge else [])
+
+
+def test_torch_compile_uses_hpu_backend_in_eager_mode(hf, eager):
+    rt = get_runtime("hpu")
+    assert rt.compile_backend() == "hpu_backend"
+    # The name resolves as torch.compile resolves it once the bridge is imported (the double registers a recording
+    # pass-through, like the real bridge registers Habana's compiler in eager mode).
+    backend = torch._dynamo.lookup_backend(rt.compile_backend())
+    gm = torch.fx.symbolic_trace(lambda x: x * 2 + 1)
+    fn = backend(gm, [torch.ones(3)])
+    torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 3.0))
+    assert "hpu_backend.compile" in _names(hf)
+
+
+def test_torch_compile_refused_in_lazy_mode(hf, lazy):
+    with pytest.raises(ValueError) as err:
+        get_runtime("hpu").compile_backend()
+    msg = str(err.value)
+    assert "PT_HPU_LAZY_MODE=0" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_set_kernels_torch_compile_on_hpu(monkeypatch, mode):
+    """loading.set_kernels compiles the ops with the runtime's backend: hpu_backend in eager mode, one error line
+    naming PT_HPU_LAZY_MODE=0 in lazy mode (the CLI prints it as its one error: line)."""
+    import transformers
+
+    from polyfuse.core.registry import Kernels
+    from polyfuse.engine import loading
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    _import_double(monkeypatch, lazy=mode == "lazy")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    model = LlamaForCausalLM.from_config(cfg)
+    backends = []
+    monkeypatch.setattr(loading, "get_runtime", lambda device: HpuRuntime(HPU))
+    monkeypatch.setattr(Kernels, "compiled", lambda self, backend="inductor": backends.append(backend) or self)
+    try:
+        if mode == "lazy":
+            with pytest.raises(ValueError, match="PT_HPU_LAZY_MODE=0"):
+                loading.set_kernels(model, {"torch_compile": True})
+            assert backends == []
+        else:
+            loading.set_kernels(model, {"torch_compile": True})
+            assert backends == ["hpu_backend"]
+    finally:
+        _forget_habana()
+
+
+def test_double_hpu_graph_semantics(hf, lazy):
+    """The double's graphs behave like Habana's: keyed on shape and view offset, inputs copied into the capture-time
+    tensors on replay, the same output objects returned every time, Python ints keyed by value."""
+    from habana_frameworks.torch.hpu import wrap_in_hpu_graph
+
+    m = _Step()
+    wrap_in_hpu_graph(m)
+    base = torch.randn(3, 4)
+    with torch.no_grad():
+        y0 = m(base[0:1])
+        m(base[1:2])  # same shape, another view offset: a second graph
+        x = torch.randn(1, 4)
+        y = m(x)  # the key of base[0:1]: a replay that copies x into base[0:1]
+    assert [n for n in _names(hf) if n.startswith("hpu_graph")] == ["hpu_graph_capture"] * 2 + ["hpu_graph_replay"]
+    assert y is y0 and torch.equal(base[0], x[0])
+    torch.testing.assert_close(y, m.lin(x))
+    hf.reset()
+
+    class _Sized(torch.nn.Module):
+        def forward(self, n: int, x):
+            return x[:, :n] * 2
+
+    s = wrap_in_hpu_graph(_Sized())
+    x = torch.randn(2, 8)
+    for n in (4, 4, 8, 4):
+        torch.testing.assert_close(s(n, x), x[:, :n] * 2)
+    assert [n for n in _names(hf) if n.startswith("hpu_graph")] == [
+        "hpu_graph_capture", "hpu_graph_replay", "hpu_graph_capture", "hpu_graph_replay"
+    ]  # fmt: skip
 
 
 # -- runtime: mark_step placement, sync, memory --------------------------------------------------------------------------
@@ -602,7 +816,9 @@ def test_runtime_without_habana_is_harmless(no_habana, lazy):
 
 def test_memory_stats_format(hf):
     gb = 1024**3
-    hf.torch.hpu.MEMORY.update(InUse=int(17.56 * gb) + 5, MaxInUse=int(19.423 * gb), Limit=int(94.62 * gb) + 7)
+    import habana_frameworks.torch.hpu as hthpu
+
+    hthpu.MEMORY.update(InUse=int(17.56 * gb) + 5, MaxInUse=int(19.423 * gb), Limit=int(94.62 * gb) + 7)
     rt = get_runtime("hpu")
     stats = rt.memory_stats()
     assert stats == {
@@ -651,6 +867,222 @@ def test_fused_optim_helpers_without_habana(no_habana):
     assert fused_clip_norm(params, 1.0) is None
 
 
+def test_double_fused_adamw_is_strict(hf):
+    from habana_frameworks.torch.hpex.optimizers import FusedAdamW
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="empty"):
+        FusedAdamW([{"params": [w], "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}])
+    with pytest.raises(TypeError):
+        FusedAdamW([w], amsgrad=True)  # torch-only keyword: not in Habana's signature
+
+
+def test_fused_adamw_drops_empty_groups(hf):
+    w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = fused_adamw(iter([{"params": iter([w]), "weight_decay": 0.1}, {"params": [], "weight_decay": 0.0}]), lr=1)
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [w]
+    assert fused_adamw([{"params": []}], lr=1) is None
+    assert len(fused_adamw([b], lr=1).param_groups) == 1
+
+
+class _LoraLike(torch.nn.Module):
+    """Trainable weights only (LoRA-like): biases and norms frozen, so the no-decay group is empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        for p in (self.lin.bias, self.norm.weight, self.norm.bias):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+@pytest.mark.parametrize("eps, want", [(None, 1e-6), (1e-7, 1e-7)])
+def test_trainer_fused_adamw_drops_empty_groups_and_uses_habanas_eps(hf, eager, monkeypatch, tmp_path, eps, want):
+    """PolyfuseTrainer.create_optimizer with use_fused_adam, as optimum-habana's GaudiTrainer: no empty parameter
+    group (they crash FusedAdamW) and eps 1e-6 unless set (GaudiTrainingArguments' default), an explicit one wins."""
+    from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments, arguments
+    from polyfuse.training.gaudi_config import GaudiConfig
+
+    monkeypatch.setattr(arguments, "hpu_available", lambda: True)
+    kw = {} if eps is None else {"adam_epsilon": eps}
+    args = PolyfuseTrainingArguments(output_dir=str(tmp_path), use_habana=True, report_to=[], use_cpu=True, **kw)
+    assert args.use_lazy_mode is False  # the double's bridge runs in eager mode here
+    trainer = PolyfuseTrainer(_LoraLike(), args, gaudi_config=GaudiConfig(use_fused_adam=True))
+    trainer.runtime = HpuRuntime(HPU)  # the Trainer runs on the CPU here; the runtime is the Gaudi one
+    opt = trainer.create_optimizer()
+    assert type(opt).__module__ == "habana_frameworks.torch.hpex.optimizers"
+    assert [len(g["params"]) for g in opt.param_groups] == [1]
+    assert hf.calls("FusedAdamW")[0][1]["eps"] == want
+
+
+def test_use_lazy_mode_follows_the_bridge(hf, lazy, monkeypatch, tmp_path):
+    from polyfuse.training import PolyfuseTrainingArguments, arguments
+
+    monkeypatch.setattr(arguments, "hpu_available", lambda: True)
+    args = PolyfuseTrainingArguments(output_dir=str(tmp_path), use_habana=True, report_to=[], use_cpu=True)
+    assert args.use_lazy_mode is True
+    from habana_frameworks.torch.utils import internal
+
+    monkeypatch.setattr(internal.is_lazy, "_is_lazy", False)
+    args = PolyfuseTrainingArguments(output_dir=str(tmp_path), use_habana=True, report_to=[], use_cpu=True)
+    assert args.use_lazy_mode is False
+    with pytest.raises(ValueError, match="PT_HPU_LAZY_MODE=1"):
+        PolyfuseTrainingArguments(
+            output_dir=str(tmp_path), use_habana=True, use_lazy_mode=True, report_to=[], use_cpu=True
+        )
+
+
+# -- training through the HPU backend (test double) ------------------------------------------------------------------
+
+TRAIN_FLAGS = {
+    "use_flash_attention": True,
+    "flash_attention_causal_mask": True,
+    "flash_attention_recompute": True,
+    "flash_attention_fast_softmax": True,
+}
+
+
+def _tiny_cfg(**kw):
+    import transformers
+
+    base = dict(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+def _on_hpu_backend(model, flags, training=False):
+    """What loading.set_kernels does for a model on an HPU, with the CPU tensors the double works on."""
+    from polyfuse.ops.attention import options_from_flags
+
+    dtype = next(model.parameters()).dtype
+    model.kernels = registry.resolve(SelectionContext(HPU, dtype, flags=dict(flags), training=training))
+    model.runtime = get_runtime("hpu")
+    model.flags = dict(flags)
+    model.attention_options = options_from_flags(flags)
+    return model
+
+
+def test_polyfuse_model_trains_right_padded_batch_through_fused_sdpa(hf, lazy):
+    """A training step on a right-padded batch (what collators give) with every FusedSDPA flag on: no lengths reach
+    the kernel while gradients are on (the real kernel asserts), and loss and gradients equal the native model's."""
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = _tiny_cfg()
+    ids = torch.randint(10, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    ref = LlamaForCausalLM.from_config(cfg, seed=4, training=True)
+    model = _on_hpu_backend(LlamaForCausalLM.from_config(cfg, seed=4, training=True), TRAIN_FLAGS, training=True)
+    assert model.kernels.choices["attention"].implementation.name == "fused_sdpa"
+    hf.reset()
+    losses = []
+    for m in (ref, model):
+        loss = m(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], **TOL[torch.float32])
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
+    sdpa = hf.calls("FusedSDPA")
+    assert len(sdpa) == cfg.num_hidden_layers
+    for args, _ in sdpa:
+        assert args[9] is None and args[3] is not None and args[5] is False
+
+
+def test_patch_path_keeps_the_padding_mask(hf, lazy):
+    """transformers' Llama patched for an HPU run with --flash_attention_causal_mask: the padding mask reaches
+    FusedSDPA (there are no lengths on this path) and the logits of the real tokens equal the unpatched model's."""
+    from helpers import tiny_llama
+
+    from polyfuse.patch import patch
+
+    model = tiny_llama(seed=0).eval()
+    ids = torch.randint(10, 200, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+    flags = {"use_flash_attention": True, "flash_attention_causal_mask": True}
+    handle = patch(model, device="hpu", flags=flags, training=False)
+    assert handle.kernels.choices["attention"].implementation.name == "fused_sdpa"
+    hf.reset()
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+    sdpa = hf.calls("FusedSDPA")
+    assert sdpa and all(args[3] is not None and args[5] is False for args, _ in sdpa)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1, 3:], want[1, 3:], atol=1e-4, rtol=1e-4)
+
+
+# -- device hpu from Python: the bridge import, sampling generators ---------------------------------------------------
+
+
+def test_hpu_runtime_imports_the_bridge(hf):
+    """Asking for device hpu imports habana_frameworks.torch (which registers the device with torch), as
+    optimum-habana's setup_device does; nobody has to import it first."""
+    assert "habana_frameworks.torch" not in sys.modules
+    get_runtime("hpu")
+    assert "habana_frameworks.torch" in sys.modules
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_from_config_on_hpu_imports_the_bridge_before_allocating(hf, monkeypatch):
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    seen = []
+
+    def to_empty(self, *, device, recurse=True):
+        seen.append("habana_frameworks.torch" in sys.modules)
+        raise _Stop
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", to_empty)
+    with pytest.raises(_Stop):
+        LlamaForCausalLM.from_config(_tiny_cfg(), device="hpu")
+    assert seen == [True]
+
+
+def test_sampling_with_a_generator_on_another_device(monkeypatch):
+    """run_generation keeps a CPU torch.Generator for HPU runs, and torch.multinomial refuses a generator of another
+    device than its input: sampling draws on the generator's device and returns the token on the logits' device.
+    (No second device on a CPU machine: the generator claims to live on "meta"; the real pairing is HPU logits with
+    a CPU generator, or CUDA ones in test_sampling_cpu_generator_with_cuda_logits.)"""
+    from polyfuse.engine.sampling import next_token
+
+    calls = []
+
+    def multinomial(probs, n, generator=None):
+        calls.append((probs.device.type, generator.device.type))
+        if probs.device.type != generator.device.type:
+            raise RuntimeError(f"generator on {generator.device.type}, input on {probs.device.type}")
+        return torch.zeros(probs.shape[0], n, dtype=torch.long)  # what a draw on the generator's device gives back
+
+    monkeypatch.setattr(torch, "multinomial", multinomial)
+    logits = torch.randn(3, 11)
+    elsewhere = type("Generator", (), {"device": torch.device("meta")})()
+    tok = next_token(logits, do_sample=True, generator=elsewhere)
+    assert calls == [("meta", "meta")] and tok.device == logits.device and tok.shape == (3,)
+
+
+@pytest.mark.cuda
+def test_sampling_cpu_generator_with_cuda_logits():
+    from polyfuse.engine.sampling import next_token
+
+    logits = torch.randn(3, 11, device="cuda")
+    a = next_token(logits, do_sample=True, generator=torch.Generator().manual_seed(0))
+    b = next_token(logits, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert a.device == logits.device and torch.equal(a, b)
+
+
 # -- real Gaudi ---------------------------------------------------------------------------------------------------------
 
 
@@ -661,23 +1093,6 @@ def gaudi():
 
     assert not getattr(sys.modules["habana_frameworks"], "TEST_DOUBLE", False)
     return torch.device("hpu")
-
-
-@pytest.mark.parametrize("causal_prefill", [False, True])
-@pytest.mark.parametrize("decode", [False, True])
-@pytest.mark.hpu
-@needs_gaudi
-def test_gaudi_fused_sdpa_vs_native(gaudi, causal_prefill, decode):
-    lq = 1 if decode else 64
-    q, k, v = (t.to(gaudi) for t in _qkv(b=2, hq=8, hkv=2, lq=lq, lk=64, d=64, dtype=torch.bfloat16))
-    lengths = torch.tensor([64, 40], dtype=torch.int32)
-    mask = _padded_causal_mask(lengths, 64, torch.bfloat16)
-    mask = (mask[:, :, -1:] if decode else mask).to(gaudi)
-    meta = AttentionMeta(
-        scale=64**-0.5, mask=mask, valid_lengths=lengths.to(gaudi), decode=decode, causal_prefill=causal_prefill
-    )
-    out, ref = fused_sdpa(q, k, v, meta).cpu(), attention_native(q, k, v, meta).cpu()
-    _assert_valid_rows_close(out, ref, lengths if not decode else torch.ones(2), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.hpu
@@ -694,8 +1109,10 @@ def test_gaudi_fused_rms_norm_and_rope_vs_native(gaudi):
 
 @pytest.mark.hpu
 @needs_gaudi
-def test_gaudi_runtime(gaudi, lazy):
+def test_gaudi_runtime(gaudi):
     rt = get_runtime(gaudi)
+    if not rt.lazy_mode:
+        pytest.skip("HPU graphs need a process started with PT_HPU_LAZY_MODE=1")
     m = _Step().to(gaudi)
     step = rt.graph_module(m, "decode", {"use_hpu_graphs": True})
     x = torch.randn(2, 4, device=gaudi)
@@ -709,65 +1126,124 @@ def test_gaudi_runtime(gaudi, lazy):
     assert stats["total_memory_available (GB)"] > 0
 
 
-# -- the whole generation loop through the HPU backend (test double) -------------------------------------------------
+# -- the whole generation loop through the HPU backend ----------------------------------------------------------------
+
+
+def _graph_keys(step) -> list:
+    """Habana's own graph-cache key (``hpu.graphs.input_hash``) of every non-bypassed call of a module wrapped by
+    wrap_in_hpu_graph: the number of distinct keys is the number of graphs it captures (double and Gaudi alike)."""
+    from habana_frameworks.torch.hpu.graphs import input_hash
+
+    module, keys = step.module, []
+    inner = module.forward
+
+    def spy(*args, **kwargs):
+        if not kwargs.get("bypass_hpu_graphs"):
+            keys.append(input_hash((args, kwargs)))
+        return inner(*args, **kwargs)
+
+    module.forward = spy
+    return keys
+
+
+GEN_FLAGS = [
+    {},
+    {"use_flash_attention": True, "flash_attention_causal_mask": True, "flash_attention_recompute": True},
+    {"use_flash_attention": True, "use_hpu_graphs": True, "limit_hpu_graphs": True},
+    {"use_hpu_graphs": True, "attn_softmax_bf16": True},
+]
+GEN_IDS = ["plain", "flash-causal-recompute", "flash-graphs-limit", "graphs-eager-attention"]
+
+
+@pytest.mark.parametrize("habana", BACKENDS, indirect=True)
+@pytest.mark.parametrize("flags", GEN_FLAGS, ids=GEN_IDS)
+@pytest.mark.parametrize("bucket_size", [-1, 4])
+def test_generation_through_hpu_backend(habana, flags, bucket_size):
+    """polyfuse's Llama generating with the kernels and runtime the registry gives an HPU run, in lazy and in eager
+    mode: Habana's entry points receive the calls (FusedSDPA with the right mode per step, FusedRMSNorm, FusedRoPE,
+    HPU graphs, mark_step in lazy mode only), HPU graphs capture at most one graph per KV bucket plus one for the
+    prompt (the cache position is one tensor advanced in place), and the greedy tokens equal the native run's."""
+    from polyfuse.engine import generation, loading
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = _tiny_cfg()
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    n, new_tokens = ids.shape[1], 10
+    kw = dict(max_new_tokens=new_tokens, ignore_eos=True, bucket_size=bucket_size)
+    graphs = bool(flags.get("use_hpu_graphs"))
+    dev = habana.device
+    model = LlamaForCausalLM.from_config(cfg, seed=4).to(dev).eval()
+    if habana.double is not None:
+        want = LlamaForCausalLM.from_config(cfg, seed=4).eval().generate(ids, mask, **kw)
+        _on_hpu_backend(model, flags)
+        habana.double.reset()
+    else:  # a real Gaudi: the same kernels without graphs are the reference for the graphed run
+        plain = {k: v for k, v in flags.items() if k not in ("use_hpu_graphs", "limit_hpu_graphs")}
+        loading.set_kernels(model, plain)
+        want = model.generate(ids.to(dev), mask.to(dev), **kw).cpu()
+        loading.set_kernels(model, flags)
+    assert model.runtime.lazy_mode is habana.lazy
+
+    if graphs and not habana.lazy:
+        with pytest.raises(ValueError, match="set PT_HPU_LAZY_MODE=1"):
+            model.generate(ids.to(dev), mask.to(dev), **kw)
+        if habana.double is not None:
+            assert habana.double.CALLS == []  # nothing ran, wrap_in_hpu_graph was not even looked up
+        return
+    prefill, decode, _ = generation._steppers(model)
+    keys = _graph_keys(decode) if graphs else []
+    got = model.generate(ids.to(dev), mask.to(dev), **kw)
+    assert torch.equal(got.cpu(), want)
+
+    kv_lens = {generation.bucketed(n + i + 1, bucket_size, model.cache.max_len) for i in range(new_tokens - 1)}
+    if bucket_size <= 0:
+        kv_lens = {model.cache.max_len}
+    if graphs:
+        prompt_graphs = 0 if flags.get("limit_hpu_graphs") else 1
+        assert len(set(keys)) == len(kv_lens) + prompt_graphs  # one per KV bucket, plus the prompt's
+        assert len(keys) == new_tokens - 1 + prompt_graphs  # every step went through the graphs
+    if habana.double is None:
+        return
+    names = _names(habana.double)
+    assert names.count("FusedRMSNorm") > 0 and names.count("RotaryPosEmbeddingHelperV2") > 0
+    # Lazy: mark_step after each token and before each of 2 layers in each forward (1 prefill + 9 decode steps).
+    assert names.count("mark_step") == (new_tokens + 2 * new_tokens if habana.lazy else 0)
+    assert "mark_step_in_eager_mode" not in names
+    sdpa = habana.double.calls("FusedSDPA")
+    if flags.get("use_flash_attention"):
+        assert len(sdpa) == 2 * new_tokens
+        prefill_args, decode_args = sdpa[0][0], sdpa[-1][0]
+        assert decode_args[4:] == (0.0, False, None, "None", False, None, "None") and decode_args[3] is not None
+        assert decode_args[1].shape[1] == cfg.num_key_value_heads  # GQA: the cache slice itself, unrepeated
+        if flags.get("flash_attention_causal_mask"):
+            assert prefill_args[3] is None and prefill_args[5] is True and prefill_args[8] is True
+            assert prefill_args[10] == "left"
+            assert prefill_args[9].tolist() == [4, 6] and prefill_args[9].dtype == torch.int32  # valid lengths
+    else:
+        assert sdpa == []
+    captured = [n for n in names if n.startswith("hpu_graph")]
+    if graphs:
+        assert captured.count("hpu_graph_capture") == len(set(keys))
+        assert len(habana.double.calls("wrap_in_hpu_graph")) == 1
+    else:
+        assert captured == [] and "wrap_in_hpu_graph" not in names
 
 
 @pytest.mark.parametrize(
-    "flags",
+    "mode,flags,needle",
     [
-        {},
-        {"use_flash_attention": True, "flash_attention_causal_mask": True, "flash_attention_recompute": True},
-        {"use_flash_attention": True, "use_hpu_graphs": True, "limit_hpu_graphs": True},
-        {"use_hpu_graphs": True, "attn_softmax_bf16": True},
+        ("eager", {"use_hpu_graphs": True}, "PT_HPU_LAZY_MODE=1"),
+        ("lazy", {"torch_compile": True}, "PT_HPU_LAZY_MODE=0"),
     ],
-    ids=["plain", "flash-causal-recompute", "flash-graphs-limit", "graphs-eager-attention"],
 )
-def test_generation_through_hpu_backend(hf, lazy, flags):
-    """polyfuse's Llama generating with the kernels and runtime the registry gives an HPU run: Habana's entry points
-    receive the calls (FusedSDPA with the right mode per step, FusedRMSNorm, FusedRoPE, HPU graphs, mark_step), and the
-    greedy tokens equal the native run's. The double computes on the CPU tensors it is given."""
-    import transformers
+def test_flag_checks_refuse_what_the_mode_cannot_run_before_loading(hf, request, mode, flags, needle):
+    """--use_hpu_graphs in eager mode / --torch_compile in lazy mode: one line naming what to set, from the flag
+    check that runs before the model is loaded (not at the first generate)."""
+    from polyfuse.core.flags import check_flags
 
-    from polyfuse.models.llama import LlamaForCausalLM
-    from polyfuse.ops.attention import options_from_flags
-
-    cfg = transformers.LlamaConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    ref = LlamaForCausalLM.from_config(cfg, seed=4).eval()
-    want = ref.generate(ids, mask, max_new_tokens=6, ignore_eos=True)
-
-    model = LlamaForCausalLM.from_config(cfg, seed=4).eval()
-    # What loading.set_kernels does for a model on an HPU, with the CPU tensors the double works on.
-    model.kernels = registry.resolve(SelectionContext(HPU, torch.float32, flags=dict(flags)))
-    model.runtime = get_runtime("hpu")
-    model.flags = dict(flags)
-    model.attention_options = options_from_flags(flags)
-    hf.reset()
-    got = model.generate(ids, mask, max_new_tokens=6, ignore_eos=True)
-    assert torch.equal(got, want)
-
-    names = _names(hf)
-    assert names.count("FusedRMSNorm") > 0 and names.count("RotaryPosEmbeddingHelperV2") > 0
-    # mark_step after each of the 6 tokens and before each of 2 layers in each of the 6 forwards (1 prefill + 5 decode).
-    assert names.count("mark_step") == 6 + 2 * 6
-    sdpa = hf.calls("FusedSDPA")
-    if flags.get("use_flash_attention"):
-        assert len(sdpa) == 2 * 6
-        prefill, decode = sdpa[0][0], sdpa[-1][0]
-        assert decode[4:] == (0.0, False, None, "None", False, None, "None") and decode[3] is not None  # the mask
-        if flags.get("flash_attention_causal_mask"):
-            assert prefill[3] is None and prefill[5] is True and prefill[8] is True and prefill[10] == "left"
-            assert prefill[9].tolist() == [4, 6] and prefill[9].dtype == torch.int32  # valid lengths
-    else:
-        assert sdpa == []
-    graphs = [n for n in names if n.startswith("hpu_graph")]
-    if flags.get("use_hpu_graphs"):
-        first = "hpu_graph_bypass" if flags.get("limit_hpu_graphs") else "hpu_graph_capture"
-        assert graphs[0] == first and "hpu_graph_replay" in graphs
-        assert len(hf.calls("wrap_in_hpu_graph")) == 1
-    else:
-        assert graphs == []
+    request.getfixturevalue(mode)
+    with pytest.raises(ValueError, match=needle):
+        check_flags("hpu", flags)
+    ok, _ = check_flags("hpu", {"use_hpu_graphs": mode == "lazy", "torch_compile": mode == "eager"})
+    assert ok["use_hpu_graphs"] == (mode == "lazy")

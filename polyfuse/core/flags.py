@@ -27,9 +27,11 @@ def honouring_devices(flag: str) -> str:
 
 
 def check_flags(device_type: str, flags: dict) -> tuple[dict, list[str]]:
-    """Return (flags the run will use, one warning line per flag turned off)."""
+    """Return (flags the run will use, one warning line per flag turned off); ValueError (one line saying what to
+    set) for a combination the device's runtime cannot run at all (HPU graphs in Habana's eager mode)."""
     flags = dict(flags)
-    honours = runtime_class(device_type).honours
+    runtime = runtime_class(device_type)
+    honours = runtime.honours
     warnings = []
     for name, fallback in DEVICE_FLAGS.items():
         if flags.get(name) and name not in honours:
@@ -43,4 +45,7 @@ def check_flags(device_type: str, flags: dict) -> tuple[dict, list[str]]:
     if flags.get("use_hpu_graphs") and flags.get("torch_compile"):
         warnings.append("--use_hpu_graphs with --torch_compile: HPU graphs turned off, as in optimum-habana")
         flags["use_hpu_graphs"] = False
+    refusal = runtime.refusal(flags)
+    if refusal is not None:
+        raise ValueError(refusal)
     return flags, warnings

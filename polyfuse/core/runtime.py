@@ -41,6 +41,12 @@ class DeviceRuntime:
     def __init__(self, device: torch.device):
         self.device = device
 
+    @classmethod
+    def refusal(cls, flags: dict):
+        """None, or one line saying why this device cannot run with these flags at all and what to set (checked
+        before anything is loaded)."""
+        return None
+
     def synchronize(self) -> None:
         pass
 

@@ -128,6 +128,15 @@ class HpuRuntime(DeviceRuntime):
             setattr(module, _WRAPPED, True)
         return HpuGraphStep(module, bypass=phase == "prefill" and bool(flags.get("limit_hpu_graphs")))
 
+    @classmethod
+    def refusal(cls, flags: dict):
+        lazy = lazy_mode_enabled()
+        if flags.get("use_hpu_graphs") and not flags.get("torch_compile") and not lazy:
+            return GRAPHS_NEED_LAZY
+        if flags.get("torch_compile") and lazy:
+            return COMPILE_NEEDS_EAGER
+        return None
+
     def compile_backend(self) -> str:
         """``"hpu_backend"``, in eager mode only (ValueError naming PT_HPU_LAZY_MODE=0 in lazy mode)."""
         if self.lazy_mode:

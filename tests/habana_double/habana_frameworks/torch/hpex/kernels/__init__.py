@@ -22,8 +22,17 @@ def _check(cond, msg):
 
 class FusedSDPA:
     """``apply(q, k, v, attn_mask, dropout_p, is_causal, scale, softmax_mode, recompute_mode,
-    valid_sequence_lengths, padding_side)``; q/k/v [B, H, L, D] with equal heads (polyfuse repeats kv for GQA;
-    whether the real kernel accepts fewer kv heads is not modelled)."""
+    valid_sequence_lengths, padding_side)``, the 11 positional arguments optimum-habana passes.
+
+    Shapes as optimum-habana's Llama passes them (modeling_llama.py, ``pre_attn_forward``): q [B, Hq, Lq, D], k/v
+    [B, Hkv, Lk, D] *unrepeated*, Hq a multiple of Hkv. The real kernel (hpex/kernels/FusedSDPA.py, ``is_gqa`` /
+    ``gqa_input_reshape_fwd``) treats Hkv not in (Hq, 1) as grouped-query attention and reshapes q to
+    [B, Hkv, Hq/Hkv, Lq, D], k/v to [B, Hkv, 1, Lk, D] and a mask to [B, 1, 1, Lq, Lk] (head dim 1) or
+    [B, Hkv, Hq/Hkv, Lq, Lk] (head dim Hq); any other mask head count cannot be reshaped.
+
+    Asserts of the real kernel that the double enforces (``requires_backward`` = q, k or v requires grad):
+    ``valid_sequence_lengths`` only with ``is_causal``, no mask and no backward ("supported only in inference with
+    is_causal(triangular) mask case"); ``softmax_mode="fast"`` with recompute and backward only when causal."""
 
     @staticmethod
     def apply(*args, **kwargs):
@@ -36,8 +45,10 @@ class FusedSDPA:
         _check(q.dtype == k.dtype == v.dtype, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
         _check(k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
         b, h, lq, d = q.shape
-        lk = k.shape[2]
-        _check(k.shape[0] == b and k.shape[1] == h and k.shape[3] == d, f"k {tuple(k.shape)} vs q {tuple(q.shape)}")
+        hkv, lk = k.shape[1], k.shape[2]
+        _check(k.shape[0] == b and k.shape[3] == d, f"k {tuple(k.shape)} vs q {tuple(q.shape)}")
+        _check(hkv >= 1 and h % hkv == 0, f"q heads {h} must be a multiple of k/v heads {hkv}")
+        requires_backward = q.requires_grad or k.requires_grad or v.requires_grad
         _check(isinstance(dropout_p, float) and dropout_p == 0.0, f"dropout_p must be 0.0 here, got {dropout_p!r}")
         _check(isinstance(is_causal, bool), f"is_causal must be a bool, got {is_causal!r}")
         _check(scale is None or isinstance(scale, float), f"scale must be None or a float, got {scale!r}")
@@ -49,14 +60,19 @@ class FusedSDPA:
         if mask is not None:
             _check(torch.is_tensor(mask) and mask.dim() == 4, "attn_mask must be a 4-D tensor")
             _check(mask.dtype in (torch.bool, q.dtype), f"attn_mask dtype {mask.dtype} is neither bool nor {q.dtype}")
-            _check(mask.shape[0] in (1, b) and mask.shape[1] in (1, h), f"attn_mask {tuple(mask.shape)} vs B/H")
+            _check(mask.shape[0] in (1, b) and mask.shape[1] in (1, h), f"attn_mask {tuple(mask.shape)} vs B/Hq")
             _check(tuple(mask.shape[2:]) in ((lq, lk), (1, lk)), f"attn_mask {tuple(mask.shape)} vs Lq/Lk")
+        if recompute and requires_backward and softmax_mode == "fast":
+            _check(is_causal, "softmax_mode='fast' in recompute training mode needs is_causal=True (real assert)")
         if lengths is not None:
             _check(is_causal, "valid_sequence_lengths needs is_causal=True")
+            _check(not requires_backward, "valid_sequence_lengths is supported only in inference (real assert)")
             _check(torch.is_tensor(lengths) and lengths.dtype == torch.int32, "valid_sequence_lengths must be int32")
             _check(tuple(lengths.shape) == (b,), f"valid_sequence_lengths must be [B]={b}, got {tuple(lengths.shape)}")
             _check(padding_side in ("left", "right"), "valid_sequence_lengths needs padding_side 'left' or 'right'")
 
+        if hkv != h:  # the kernel's grouped-query path; the math is the same as repeating k/v per group
+            k, v = k.repeat_interleave(h // hkv, dim=1), v.repeat_interleave(h // hkv, dim=1)
         s = torch.matmul(q.float(), k.float().transpose(2, 3)) * (scale if scale is not None else 1 / math.sqrt(d))
         neg = torch.finfo(q.dtype).min  # finite in q's dtype too, so fully masked (padding) rows stay finite
         drop = torch.zeros((1, 1, lq, lk), dtype=torch.bool, device=q.device)
