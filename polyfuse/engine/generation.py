@@ -437,10 +437,12 @@ def generate(
     pos = position_ids[:, -1:] + 1
     cache_positions = torch.arange(n, total, device=device)  # one upload; each step takes a view
     if num_beams > 1:
+        slot = cache_positions[:1].clone()  # one tensor set in place per step: HPU graphs key on input views
 
         def advance(tokens, beam_idx, i):
             reorder_cache_(model.cache, beam_idx, n + i)  # in place: captured decode graphs stay valid
-            return decode(kv_len_at(n + i), tokens[:, None], pos + i, cache_positions[i : i + 1], key_mask)
+            slot.fill_(n + i)
+            return decode(kv_len_at(n + i), tokens[:, None], pos + i, slot, key_mask)
 
         return finish(beams(logits, advance).to(input_ids.dtype), t0)
     if in_place:

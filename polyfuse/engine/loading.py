@@ -8,6 +8,7 @@ Model-agnostic: every function takes the model class (or model). What a class mu
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -20,7 +21,11 @@ from polyfuse.core.context import SelectionContext
 from polyfuse.core.errors import CheckpointError
 from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
+from polyfuse.distributed.context import agree, for_build
+from polyfuse.distributed.sharding import TensorParallelError
+from polyfuse.engine import quantize
 from polyfuse.engine.config import gguf_architecture, gguf_config_fields, read_config_dict
+from polyfuse.engine.shards import copy_shard, tp_shards
 from polyfuse.engine.staging import DeviceStager, SpanReader, copy_weight
 from polyfuse.engine.weights import iter_gguf, iter_safetensors, open_gguf
 from polyfuse.ops.attention import options_from_flags
@@ -43,16 +48,27 @@ def _target(fused: dict, hf_name: str) -> tuple[str, Optional[slice]]:
     return hf_name, None
 
 
-def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False):
-    """Empty model (uninitialized storage) on ``device`` in ``dtype``, with kernels resolved."""
+def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, tp=None,
+          quant=None):  # fmt: skip
+    """Empty model (uninitialized storage) on ``device`` in ``dtype``, with kernels resolved. ``tp``: the
+    ``polyfuse.distributed.TPContext`` whose rank's shard to build (only that shard gets storage); default: the
+    process's context (``polyfuse.distributed.init`` / ``request_from_env``), never for training."""
     device = torch.device(device)
+    tp = for_build(device, tp, training)
+    if tp.active and tp.device is not None:
+        if tp.device.type != device.type:
+            raise TensorParallelError(f"the process group runs on {tp.device.type}; cannot build on {device.type}")
+        device = tp.device if device.index is None else device
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_cls(config)
+            model = model_cls(config, tp=tp) if tp.active else model_cls(config)
     finally:
         torch.set_default_dtype(previous)
+    if quant is not None:  # quantized projections (engine/quantize.py QuantSetup): packed buffers, no dense weight
+        quant.apply(model)
+    get_runtime(device)  # the device's runtime first: it imports what the device needs (habana_frameworks on hpu)
     model.to_empty(device=device)
     model.tie_weights()
     model.init_buffers(device)
@@ -75,13 +91,16 @@ def set_kernels(model, flags: dict, overrides: str = "", training: bool = False)
     return model.kernels
 
 
-def load_weights(model, tensors, workers: int = 1) -> None:
+def load_weights(model, tensors, workers: int = 1, quant=None) -> None:
     """Copy (HF name, tensor) pairs into the model's parameters. A tensor may be a zero-argument callable that reads
     it: with ``workers`` > 1 the reads and the host-to-device copies of different tensors then overlap."""
     params = dict(model.named_parameters(remove_duplicate=False))
     fused = model.fused_projections()
+    shards, rank = tp_shards(model)  # tensor parallelism: what this rank reads of each tensor (engine/shards.py)
     tied = model.config.tie_word_embeddings
     tied_head = {}  # a tied model's lm_head.weight found in the checkpoint: compared with the embedding at the end
+    if quant is not None:
+        quant.bind(model)
 
     def place(item) -> Optional[str]:
         hf_name, tensor = item
@@ -92,10 +111,15 @@ def load_weights(model, tensors, workers: int = 1) -> None:
             tied_head[hf_name] = tensor() if callable(tensor) else tensor
             return hf_name
         name, rows = _target(fused, hf_name)
+        hit = quant.place(name, rows, tensor) if quant is not None else None  # a quantized projection's tensor
+        if hit is not None:
+            return hit
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"unexpected weight {hf_name!r} for a {model.config.model_type} checkpoint")
-        copy_weight(param.data if rows is None else param.data[rows], tensor, hf_name, files, stager)
+        dst = param.data if rows is None else param.data[rows]
+        if not (shards and copy_shard(dst, tensor, shards, hf_name, rank)):
+            copy_weight(dst, tensor, hf_name, files, stager)
         return hf_name
 
     # GPU loads read each tensor into a pinned buffer and copy it without blocking (staging.py).
@@ -114,6 +138,8 @@ def load_weights(model, tensors, workers: int = 1) -> None:
     if tied_head:
         _tie_or_untie(model, tied_head["lm_head.weight"], "model.embed_tokens.weight" in seen)
         seen.add("model.embed_tokens.weight")
+    if quant is not None:
+        quant.finish(model)
     missing = sorted(set(expected_hf_names(model)) - seen)
     if missing:
         raise CheckpointError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]!r}")
@@ -137,16 +163,24 @@ def _tie_or_untie(model, head: torch.Tensor, have_embedding: bool) -> None:
         "model.embed_tokens.weight; untying them (lm_head keeps its own weights, as transformers does)"
     )
     model.config.tie_word_embeddings = False
+    vocab = getattr(model, "vocab", None)  # tensor parallelism: this rank's rows of the vocab-parallel head
+    rows = head if vocab is None else head[vocab.start : vocab.stop]
     lm_head = model.get_output_embeddings()
-    lm_head.weight = torch.nn.Parameter(head.clone(), requires_grad=emb.requires_grad)
+    lm_head.weight = torch.nn.Parameter(rows.clone(), requires_grad=emb.requires_grad)
 
 
 def expected_hf_names(model) -> list[str]:
-    return [n for n, _ in hf_state_items(model)]
+    return [n for n, _ in _state_items(model)]
 
 
 def hf_state_items(model):
     """(HF name, tensor view) for every weight, splitting the fused projections back."""
+    if tp_shards(model)[0]:
+        raise TensorParallelError("a tensor-parallel model holds one rank's shard; save it from a world-size-1 build")
+    return _state_items(model)
+
+
+def _state_items(model):
     fused = model.fused_projections()
     for name, param in model.named_parameters():
         hit = next(((f, parts) for f, parts in fused.items() if f".{f}." in name), None)
@@ -187,10 +221,10 @@ def read_checkpoint_config(path: Optional[str], gguf_file: Optional[str]):
         reader = open_gguf(file)
         arch = gguf_architecture(reader)
         raw = dict(gguf_config_fields(reader, file) if arch else {}, model_type=arch or "unknown")
-        return raw, (lambda config: iter_gguf(reader, config, arch)), 1, file
+        return raw, (lambda config, keep=(): iter_gguf(reader, config, arch, keep)), 1, file
     if path is None or not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint folder")
-    return read_config_dict(path), (lambda config: iter_safetensors(path)), LOAD_WORKERS, path
+    return read_config_dict(path), (lambda config, keep=(): iter_safetensors(path)), LOAD_WORKERS, path
 
 
 def from_pretrained(
@@ -202,14 +236,38 @@ def from_pretrained(
     flags: Optional[dict] = None,
     overrides: str = "",
     training: bool = False,
+    tp=None,
+    quant: Optional[str] = None,
 ):
+    """``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
+    Q8_0/Q4_0/Q4_1 tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
+    GGUF's tensors stay quantized where a kernel takes them (engine/quantize.py)."""
     t0 = time.perf_counter()
     dtype = dtype_of(dtype) or torch.float32
     raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)
     config = model_cls.config_for(raw, where)
-    model = build(model_cls, config, dtype, device, flags, overrides, training)
-    with torch.no_grad():
-        load_weights(model, tensors(config), workers=workers)
+    tp = for_build(device, tp, training)
+    gguf = _gguf_path(path, gguf_file) if gguf_file is not None else None
+    if quant is None and tp.active:
+        quant = "none"  # tensor parallelism slices float weights: a GGUF is dequantized (engine/shards.py)
+    qsetup = quantize.setup(quant, raw, path, gguf, device, dtype, flags, overrides, training, where)
+    if qsetup is not None and tp.active:
+        raise ValueError("quantized weights with tensor parallelism are not supported yet")
+    try:
+        model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
+        with torch.no_grad():
+            load_weights(model, tensors(config, qsetup.keep if qsetup else ()), workers=workers, quant=qsetup)
+        error = None
+    except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; CUDA OOM a RuntimeError
+        if not tp.active:
+            raise
+        error = e
+    # Tensor parallelism: every rank learns whether every other loaded, and the same model (no rank left waiting).
+    if tp.active:
+        digest = hashlib.sha1(config.to_json_string(use_diff=True).encode()).hexdigest()[:12]
+        agree(tp, error, f"{model_cls.__name__} (config {digest})")
+    if qsetup is not None:
+        quantize.warn_unaccelerated(model)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0
@@ -217,10 +275,15 @@ def from_pretrained(
 
 
 def from_config(
-    model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0
-):
-    """Random weights in the given shape (HF's init: normal(0, initializer_range), norms at one, biases at zero)."""
-    model = build(model_cls, config, dtype_of(dtype) or torch.float32, device, flags, overrides, training)
+    model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0, tp=None,
+    quant=None,
+):  # fmt: skip
+    """Random weights in the given shape (HF's init: normal(0, initializer_range), norms at one, biases at zero).
+    Under tensor parallelism each rank draws only its shard, on its device; the replicated embedding is drawn
+    first, from the same seed, so it is equal on every rank."""
+    dtype = dtype_of(dtype) or torch.float32
+    qsetup = quantize.for_random_weights(quant, device, dtype)  # benchmarks: random weights, quantized
+    model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
     gen = torch.Generator(device=model.device).manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     with torch.no_grad():
@@ -231,4 +294,6 @@ def from_config(
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=gen)
+    if qsetup is not None:
+        quantize.init_random_(model, gen, std)
     return model

@@ -18,8 +18,11 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from polyfuse.core.errors import CheckpointError
+from polyfuse.distributed.context import SINGLE, building, building_context
+from polyfuse.distributed.sharding import Shard, TensorParallelError, check_columns, head_shard, split
 from polyfuse.engine import loading, saving
 from polyfuse.engine.config import config_from_dict, head_dim
+from polyfuse.engine.quantize import QLinear
 from polyfuse.engine.rope import RotaryEmbedding
 from polyfuse.ops.attention import AttentionMeta, cache_mask
 
@@ -52,6 +55,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
+def project(f: Forward, layer: nn.Module, x, up=None):
+    """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
+    projection is dispatched. A quantized layer (engine/quantize.py ``QLinear``) goes to the ``linear_q`` ops with
+    its packed weight, any other to the ``linear`` ops with its weight."""
+    if isinstance(layer, QLinear):
+        qw = layer.quantized_weight()
+        return f.ops.linear_q(x, qw, layer.bias) if up is None else f.ops.swiglu_linear_q(x, up, qw, layer.bias)
+    if up is None:
+        return f.ops.linear(x, layer.weight, layer.bias)
+    return f.ops.swiglu_linear(x, up, layer.weight, layer.bias)
+
+
 def layer_window(config, layer_idx: int) -> Optional[int]:
     """The sliding window of one layer: transformers' ``layer_types`` where the config has them (Qwen2/Qwen3: only
     "sliding_attention" layers), else ``sliding_window`` for every layer (Mistral); None: full attention."""
@@ -68,11 +83,13 @@ class Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim(config),
-        )
+        # Tensor parallelism (polyfuse/distributed/sharding.py): this rank's query heads and the kv heads they read;
+        # the whole layer at world size 1.
+        tp = building_context()
+        shard = head_shard(config.num_attention_heads, config.num_key_value_heads, tp.world_size, tp.rank)
+        self.q_heads, self.kv_heads = shard.q, shard.kv
+        self.group = tp.group if tp.active else None  # o_proj's partial sums are all-reduced over it
+        self.n_heads, self.n_kv, self.head_dim = len(shard.q), len(shard.kv), head_dim(config)
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = nn.Linear(
@@ -84,9 +101,7 @@ class Attention(nn.Module):
     def heads(self, x, f: Forward):
         """q, k, v as [B, L, heads, D] (a family that normalizes heads overrides this)."""
         b, n, _ = x.shape
-        q, k, v = f.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
+        q, k, v = project(f, self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return (
             q.view(b, n, self.n_heads, self.head_dim),
             k.view(b, n, self.n_kv, self.head_dim),
@@ -103,21 +118,27 @@ class Attention(nn.Module):
             q = f.ops.rotary_kv_write(q, k, v, f.cos, f.sin, kc, vc, f.cache_position)
             k, v = kc[:, :, : f.kv_len], vc[:, :, : f.kv_len]
         out = f.ops.attention(q, k, v, f.metas[self.window])
-        return f.ops.linear(out.transpose(1, 2).reshape(b, n, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = project(f, self.o_proj, out.transpose(1, 2).reshape(b, n, self.q_size))
+        return out if self.group is None else f.ops.all_reduce(out, self.group)  # row-parallel o_proj
 
 
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.inter = config.intermediate_size
+        tp = building_context()  # tensor parallelism: this rank's block of the intermediate columns
+        check_columns("intermediate size", config.intermediate_size, tp.world_size)
+        self.columns = split(config.intermediate_size, tp.world_size, tp.rank)
+        self.group = tp.group if tp.active else None
+        self.inter = len(self.columns)
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x, f: Forward):
-        gate_up = f.ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        gate_up = project(f, self.gate_up_proj, x)
         gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
-        return f.ops.swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
+        out = project(f, self.down_proj, gate, up)
+        return out if self.group is None else f.ops.all_reduce(out, self.group)  # row-parallel down_proj
 
 
 class DecoderLayer(nn.Module):
@@ -159,11 +180,20 @@ class DecoderForCausalLM(nn.Module):
     attention_cls = Attention
     supports_gradient_checkpointing = True
 
-    def __init__(self, config):
+    def __init__(self, config, tp=None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, self.attention_cls)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Tensor parallelism (polyfuse.distributed, docs/distributed.md): the layers read their shard from the
+        # building context; the LM head is vocab-parallel (``vocab``: this rank's rows), the embedding replicated.
+        self.tp = tp if tp is not None else SINGLE
+        with building(self.tp):
+            self.model = DecoderModel(config, self.attention_cls)
+        self.vocab = None
+        if self.tp.active:
+            check_columns("vocabulary", config.vocab_size, self.tp.world_size)
+            self.vocab = split(config.vocab_size, self.tp.world_size, self.tp.rank)
+        vocab = config.vocab_size if self.vocab is None else len(self.vocab)
+        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.tie_weights()
         self.windows = sorted({layer.self_attn.window for layer in self.model.layers}, key=lambda w: w or 0)
         self.kernels = None  # polyfuse.core.Kernels, set by the loader
@@ -183,23 +213,41 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False):  # fmt: skip
-        return loading.from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training)
+                        training=False, quant=None):  # fmt: skip
+        return loading.from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant)
 
     @classmethod
-    def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0):
-        return loading.from_config(cls, config, dtype, device, flags, overrides, training, seed)
+    def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
+                    quant=None):  # fmt: skip
+        return loading.from_config(cls, config, dtype, device, flags, overrides, training, seed, quant=quant)
 
     def save_pretrained(self, path: str, **kwargs) -> None:
         saving.save_pretrained(self, path, **kwargs)
 
     def fused_projections(self) -> dict:
-        attn, inter = self.model.layers[0].self_attn, self.config.intermediate_size
+        attn, inter = self.model.layers[0].self_attn, self.model.layers[0].mlp.inter  # this rank's sizes under TP
         return {
             "self_attn.qkv_proj": [
                 ("self_attn.q_proj", attn.q_size), ("self_attn.k_proj", attn.kv_size), ("self_attn.v_proj", attn.kv_size)
             ],
             "mlp.gate_up_proj": [("mlp.gate_proj", inter), ("mlp.up_proj", inter)],
+        }  # fmt: skip
+
+    def tp_shards(self) -> dict:
+        """{transformers weight fragment: Shard}: the rows or columns of each checkpoint tensor this rank reads under
+        tensor parallelism; empty at world size 1 (everything is read whole, as is anything not listed)."""
+        if not self.tp.active:
+            return {}
+        attn, mlp, cfg = self.model.layers[0].self_attn, self.model.layers[0].mlp, self.config
+        hd, n_q, n_kv, inter = attn.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+        q, kv = Shard.of(0, attn.q_heads, hd, n_q), Shard.of(0, attn.kv_heads, hd, n_kv)
+        cols = ((mlp.columns.start, mlp.columns.stop),)
+        return {
+            "self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv,
+            "self_attn.o_proj": Shard(1, q.blocks, q.size),
+            "mlp.gate_proj": Shard(0, cols, inter), "mlp.up_proj": Shard(0, cols, inter),
+            "mlp.down_proj": Shard(1, cols, inter),
+            "lm_head": Shard(0, ((self.vocab.start, self.vocab.stop),), cfg.vocab_size),
         }  # fmt: skip
 
     def init_buffers(self, device) -> None:
@@ -256,7 +304,8 @@ class DecoderForCausalLM(nn.Module):
             meta.lazy_mask = lambda: cache_mask(key_mask, cache_position, kv_len, self.dtype, window)
             return meta
         meta.mask = cache_mask(key_mask, cache_position, kv_len, self.dtype, window)
-        meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
+        if cached:  # the generate prefill: prompts are left-padded, so lengths describe the mask (Gaudi's causal mode)
+            meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
         return meta
 
     def hidden_states(self, input_ids, position_ids, f: Forward) -> torch.Tensor:
@@ -289,7 +338,9 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary_emb.ensure_length(n)
         h = self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
         if labels is None:
-            return CausalLMOutput(logits=self.lm_head(h))
+            return CausalLMOutput(logits=self.lm_head(h) if self.vocab is None else self.vocab_parallel_logits(h))
+        if self.vocab is not None:
+            raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
         loss = self.kernels.linear_cross_entropy(shift_h, self.lm_head.weight, shift_labels, -100, "mean")
@@ -299,7 +350,7 @@ class DecoderForCausalLM(nn.Module):
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         cfg = self.config
-        return cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim(cfg)
+        return cfg.num_hidden_layers, self.model.layers[0].self_attn.n_kv, head_dim(cfg)  # this rank's kv heads
 
     def prepare_positions(self, length: int) -> bool:
         return self.model.rotary_emb.update_length(length)
@@ -308,4 +359,16 @@ class DecoderForCausalLM(nn.Module):
         metas = self.make_metas(input_ids.shape[1], key_mask, cache_position, kv_len, cached=True)
         f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
         h = self.hidden_states(input_ids, position_ids, f)
+        if self.vocab is not None:
+            return self.vocab_parallel_logits(h[:, -1])
         return self.kernels.linear(h[:, -1], self.lm_head.weight, self.lm_head.bias)
+
+    def vocab_parallel_logits(self, h) -> torch.Tensor:
+        """Tensor parallelism: the logits of this rank's vocabulary rows, zero-padded to the whole vocabulary and
+        summed over the ranks (the ``all_reduce`` op), so every rank holds the same full logits."""
+        w = self.lm_head.weight
+        if w.shape[0] != len(self.vocab):  # tied: the head is the replicated embedding; this rank's rows of it
+            w = w[self.vocab.start : self.vocab.stop]
+        local = self.kernels.linear(h, w, self.lm_head.bias)
+        full = torch.nn.functional.pad(local, (self.vocab.start, self.config.vocab_size - self.vocab.stop))
+        return self.kernels.all_reduce(full, self.tp.group)
