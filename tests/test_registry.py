@@ -190,7 +190,7 @@ def test_later_override_entries_win():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("+no_such_op", r"unknown op 'no_such_op' \(known: add_rms_norm, attention,"),
+        ("+no_such_op", r"unknown op 'no_such_op' \(known: add_rms_norm, all_reduce, attention,"),
         ("no_such_op=native", "unknown op 'no_such_op'"),
         ("rms_norm", r"bad op override 'rms_norm': use \+op, -op or op=implementation"),
         ("rms_norm=no_such_impl", "op 'rms_norm' has no implementation 'no_such_impl' \\(registered: .*native"),
@@ -363,3 +363,19 @@ def test_composite_op_runs_the_runs_own_choices_of_its_parts():
     k = registry.resolve(ctx(overrides="-swiglu"))
     torch.testing.assert_close(k.swiglu_linear(g, u, w), (torch.nn.functional.silu(g) * u) @ w.T)
     assert seen == ["rotary", "swiglu"]
+
+
+def test_python_api_warns_once_per_flag_the_device_cannot_honour(caplog):
+    """flags={"use_cuda_graphs": True} on the CPU through the Python API: one warning naming what runs instead, and
+    the flag is off in the model (issue 14)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        model = LlamaForCausalLM.from_config(cfg, flags={"use_cuda_graphs": True, "use_hpu_graphs": True})
+    msgs = [r.getMessage() for r in warnings_of(caplog)]
+    assert len(msgs) == 2 and any("--use_cuda_graphs needs device cuda" in m for m in msgs), msgs
+    assert not model.flags["use_cuda_graphs"] and not model.flags["use_hpu_graphs"]

@@ -22,18 +22,43 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--model_name_or_path",
         default=None,
-        help="local checkpoint folder (config.json + safetensors) or GGUF folder; default: the built-in SmolLM2-135M-Instruct",
+        help="a local folder (config.json + safetensors, or exactly one .gguf), or a Hugging Face Hub id (org/name: "
+        "downloaded with huggingface_hub, or read from its cache when offline); default: the built-in "
+        "SmolLM2-135M-Instruct",
     )
-    a("--gguf_file", default=None, help="GGUF file inside --model_name_or_path (or an absolute path)")
+    a(
+        "--gguf_file",
+        default=None,
+        help="GGUF file inside --model_name_or_path (or an absolute path); needed when the folder holds several",
+    )
+    a(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder, .gguf file or Hub id, for a checkpoint without one (save_pretrained writes none)",
+    )
+    a("--token", default=None, help="Hugging Face token for downloading a Hub id (ignored for local folders)")
+    a(
+        "--trust_remote_code",
+        action="store_true",
+        help="accepted for optimum-habana compatibility and ignored: polyfuse runs its own model code",
+    )
     a("--device", "-d", default="auto", choices=["auto", "cpu", "cuda", "hpu"], help="auto: hpu, then cuda, then cpu")
     a("--prompt", nargs="*", default=None, help="one or more prompts (cycled to fill --batch_size)")
     a("--use_chat_template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    a("--system_prompt", default=None, help="system message put before each prompt (implies --use_chat_template)")
+    a(
+        "--chat_file",
+        default=None,
+        help='JSON file with a conversation ([{"role": "user", "content": "..."}, ...]) or a list of them (one per '
+        "batch row), ending with the user's turn; replaces --prompt, implies --use_chat_template",
+    )
     a("--max_new_tokens", type=int, default=100, help="tokens to generate")
     a(
         "--max_input_tokens",
         type=int,
         default=0,
-        help=">0: left-pad and truncate prompts to this length; <=0: full prompts padded to the longest (optimum-habana truncates to 16 at 0)",
+        help=">0: left-pad to this length, keeping the last tokens of longer prompts (truncated from the left, with "
+        "a warning); <=0: full prompts padded to the longest (optimum-habana truncates to 16 at 0)",
     )
     a("--batch_size", type=int, default=1, help="prompts per batch")
     a("--bf16", action="store_true", help="run in bfloat16 (default float32)")
@@ -88,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--bucket_size",
         type=int,
-        default=-1,
-        help=">0: KV length grows in buckets of this size so graphs are reused; <=0: one static length (prompt + max_new_tokens)",
+        default=None,
+        help=">0: each decode step attends the KV cache up to its position rounded up to a multiple of this (graphs "
+        "are captured per bucket); -1: no bucketing, every step attends prompt + max_new_tokens (optimum-habana's "
+        "default); default: -1 on hpu, else 128 (larger for --max_new_tokens > 4096: at most 32 buckets)",
     )
     g.add_argument(
         "--reuse_cache",
@@ -108,7 +135,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-op overrides, e.g. '+rms_norm,-rotary,attention=sdpa_flash' (also env POLYFUSE_OPS)",
     )
     g.add_argument("--print_backends", action="store_true", help="print which implementation each op got and why")
-    g.add_argument("--output_dir", default=None, help="write results.json here")
+    g.add_argument(
+        "--output_dir", default=None, help="write results.json here (outputs, Stats numbers and this run's arguments)"
+    )
+    g.add_argument(
+        "--print_new_text_only",
+        action="store_true",
+        help="print (and save) only the generated text, not the prompt and chat template echoed before it",
+    )
+    g.add_argument(
+        "--log_level",
+        default="warning",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="level of polyfuse's and transformers' log messages",
+    )
+    # ---- generation features (transformers' generate options; passed by polyfuse/engine/cli_features.py) ----
+    g = p.add_argument_group("generation features (transformers' generate semantics)")
+    g.add_argument(
+        "--num_beams",
+        type=int,
+        default=1,
+        help="beam search with this many beams (beams are KV-cache rows; the decode step's graph replays, the greedy token graph is bypassed)",
+    )
+    g.add_argument(
+        "--num_return_sequences",
+        type=int,
+        default=1,
+        help="sequences per prompt: independent samples with --do_sample, or the best beams (<= --num_beams)",
+    )
+    g.add_argument(
+        "--repetition_penalty",
+        type=float,
+        default=1.0,
+        help="divide positive / multiply negative logits of ids already in the prompt or output (1.0: off)",
+    )
+    g.add_argument("--stop_strings", nargs="+", default=None, help="a row stops at the token completing one of these")
+    g.add_argument("--stop_token_ids", nargs="+", type=int, default=None, help="extra ids that end a row like EOS")
+    g.add_argument(
+        "--stream",
+        action="store_true",
+        help="print the first generation's new text as tokens arrive (rank 0, --batch_size 1; one sync per token)",
+    )
+    # ---- end of generation features ----
+    # ---- quantized weights (polyfuse/engine/quantize.py, docs/quantization.md) ----
+    g = p.add_argument_group("quantized weights")
+    g.add_argument(
+        "--quant",
+        default=None,
+        choices=["fp8", "fp8_block", "int8", "int4", "gguf", "none"],
+        help="quantize a float checkpoint's projections at load: fp8 (e4m3, per-channel scales), fp8_block (1x128 "
+        "scales), int8 (per channel), int4 (AutoGPTQ layout, group 128); gguf: keep a GGUF's Q8_0/Q4_0/Q4_1 tensors "
+        "as stored; none: dequantize everything. Default: quantized checkpoints load as stored, a GGUF stays "
+        "quantized where a kernel takes it (NVIDIA)",
+    )
+    # ---- end of quantized weights ----
     return p
 
 
