@@ -19,6 +19,7 @@ import torch
 
 from polyfuse.core.context import SelectionContext
 from polyfuse.core.errors import CheckpointError
+from polyfuse.core.flags import check_flags
 from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
 from polyfuse.distributed.context import agree, for_build
@@ -78,14 +79,16 @@ def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, over
 
 
 def set_kernels(model, flags: dict, overrides: str = "", training: bool = False):
-    """(Re)resolve the model's kernels for its device and dtype and the run's flags."""
+    """(Re)resolve the model's kernels for its device and dtype and the run's flags. A device-specific flag the
+    device does not honour is turned off with one warning naming what runs instead (as the CLI does)."""
+    flags, warnings = check_flags(model.device.type, flags)
+    for w in warnings:
+        logger.warning("warning: %s", w)
     ctx = SelectionContext(model.device, model.dtype, dict(flags), training, overrides)
     model.kernels = resolve(ctx)
     model.runtime = get_runtime(model.device)
     model.flags = dict(flags)
     model.attention_options = options_from_flags(flags)
-    if "attn_softmax_bf16" not in model.runtime.honours:
-        model.attention_options["softmax_bf16"] = False  # a Gaudi option (check_flags warns about it elsewhere)
     if flags.get("torch_compile"):
         model.kernels = model.kernels.compiled(model.runtime.compile_backend())
     return model.kernels

