@@ -3,6 +3,8 @@
 
     python examples/benchmark_generation.py --shapes llama3-8b --batch_sizes 1,16,64 --peers eager,static_compile
     python examples/benchmark_generation.py --shapes tiny --batch_sizes 1 --new_tokens 16 --peers eager   # CPU smoke
+    torchrun --nproc-per-node 2 examples/benchmark_generation.py --tp 2 --shapes llama3-8b,llama2-70b \
+        --batch_sizes 1,16 --peer_batch_sizes 1 --load --checkpoint_dir /tmp/ckpt   # tensor parallel, rank 0 logs
 
 Every number is measured in this run: the copy bandwidth that sets the ceiling, polyfuse, and the peers.
 """
@@ -23,12 +25,15 @@ import torch  # noqa: E402
 
 from polyfuse.bench.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
 from polyfuse.bench.shapes import config_for  # noqa: E402
+from polyfuse.engine.compat import DTYPE_KW  # noqa: E402
 from polyfuse.engine.generation import ensure_cache  # noqa: E402
 from polyfuse.engine.loading import hf_state_items, set_kernels  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 
 
 def log(row: dict, out) -> None:
+    if os.environ.get("RANK", "0") != "0":  # under torchrun (--tp) rank 0 logs for every rank
+        return
     print(json.dumps(row), flush=True)
     if out:
         out.write(json.dumps(row) + "\n")
@@ -55,6 +60,23 @@ def hf_twin(model):
     hf.model.rotary_emb.original_inv_freq = hf.model.rotary_emb.inv_freq.clone()
     hf.eval()
     return hf
+
+
+def torchao_twin(model):
+    """--quant's peer: transformers' model of the same shape with random weights, int8 weight-only by torchao (the
+    issue's peer, run with a static cache + torch.compile like the others); its rows say peer_quant=torchao_int8."""
+    import transformers
+    from torchao.quantization import quantize_
+
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig as int8_weight_only
+    except ImportError:  # torchao < 0.9
+        from torchao.quantization import int8_weight_only
+    torch.manual_seed(0)
+    with torch.device(model.device):
+        hf = getattr(transformers, model.hf_architecture)(model.config).to(model.dtype)
+    quantize_(hf, int8_weight_only())
+    return hf.eval()
 
 
 def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
@@ -178,7 +200,7 @@ def bench_load(model, device, out):
             del m
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
-        h = transformers.LlamaForCausalLM.from_pretrained(d, dtype=torch.bfloat16, device_map=str(device))
+        h = transformers.LlamaForCausalLM.from_pretrained(d, **{DTYPE_KW: torch.bfloat16}, device_map=str(device))
         torch.cuda.synchronize()
         theirs = time.perf_counter() - t0
         del h
@@ -213,12 +235,28 @@ def main():
     p.add_argument("--load", action="store_true", help="load time from a local safetensors folder, 8B shape")
     p.add_argument("--profile", action="store_true", help="print GPU time per kernel for eager batch-1 decode")
     p.add_argument("--output", default=None, help="append JSON lines here")
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=["fp8", "fp8_block", "int8", "int4"],
+        help="polyfuse's projections quantized (random weights); the transformers peer runs torchao int8 weight-only",
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel over N ranks: run under torchrun --nproc-per-node N"
+    )
+    p.add_argument("--checkpoint_dir", default=None, help="--tp: where the peer shapes' random checkpoint is written "
+                   "once (rank 0, a child process) for --load and the transformers tp_plan peer")  # fmt: skip
+    p.add_argument("--write_checkpoint", default=None, help=argparse.SUPPRESS)  # the child: write one, exit
     args = p.parse_args()
+    if args.write_checkpoint:
+        return write_checkpoint(args.write_checkpoint, args.shapes.split(",")[0])
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     flags = {f: True for f in args.flags.split(",") if f}
     out = open(args.output, "a") if args.output else None
+    if args.tp > 1:
+        return bench_tp(args, device, dtype, flags, out)
     import transformers
 
     log(
@@ -239,7 +277,9 @@ def main():
         shapes.append("llama2-70b-block")
     for shape in shapes:
         cfg = config_for(shape)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
+        )
         model.eval()
         wb = weight_bytes(model)
         wb_read = weight_bytes(model, exclude_embedding=True)
@@ -250,6 +290,7 @@ def main():
                 weight_GB=gb(wb),
                 decode_read_GB=gb(wb_read),
                 backends={k: v["implementation"] for k, v in model.kernels.as_dict().items()},
+                quant=args.quant,
             ),
             out,
         )
@@ -257,7 +298,8 @@ def main():
             set_kernels(model, {k: v for k, v in flags.items() if k != "use_cuda_graphs"}, args.ops)
             profile_decode(model, device)
             set_kernels(model, flags, args.ops)
-        hf = hf_twin(model) if (peers and shape in args.peer_shapes.split(",")) or args.prefill else None
+        twin = torchao_twin if args.quant else hf_twin  # --quant: the peer is torchao's int8 weight-only
+        hf = twin(model) if (peers and shape in args.peer_shapes.split(",")) or args.prefill else None
         batch_sizes = [1] if shape == "llama2-70b-block" else [int(b) for b in args.batch_sizes.split(",")]
         variants = [(blas, ops) for blas in (args.blas.split(",") if args.blas else [""]) for ops in [""] + [
             v for v in args.variants.split(";") if v]]  # fmt: skip
@@ -270,6 +312,8 @@ def main():
                 ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
                 kv = model.cache.nbytes() if model.cache is not None else 0
                 row = decode_row("polyfuse", shape, bs, ms, warm, peak)
+                if args.quant:
+                    row["quant"] = args.quant
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:
@@ -292,7 +336,8 @@ def main():
                             out,
                         )
                         continue
-                    log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode), out)
+                    peer_quant = {"peer_quant": "torchao_int8"} if args.quant else {}
+                    log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, **peer_quant), out)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if shape == "llama2-70b-block" and hf is not None:
@@ -322,13 +367,170 @@ def main():
                 bench_prefill(model, None, 4096, 8, device, out, shape)
                 set_kernels(model, flags, args.ops)
         del hf
-        if args.load and shape == "llama3-8b" and device.type == "cuda":
+        if args.load and shape == "llama3-8b" and device.type == "cuda" and not args.quant:
             bench_load(model, device, out)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if out:
         out.close()
+
+
+# -- tensor parallelism (--tp N under torchrun; docs/distributed.md) ---------------------------------------------
+
+
+def rss_bytes() -> int:
+    """Peak resident host memory of this process so far (Linux reports kB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def gather(tp, value) -> list:
+    """``value`` of every rank, in rank order (on every rank)."""
+    import torch.distributed as dist
+
+    values = [None] * tp.world_size
+    dist.all_gather_object(values, value, group=tp.group)
+    return values
+
+
+def write_checkpoint(path: str, shape: str) -> None:
+    """One process, one device: random weights of ``shape`` in bf16 (CPU: fp32) saved as a transformers folder."""
+    from polyfuse import distributed
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_config(config_for(shape), dtype=dtype, device=device)
+    assert model.tp is distributed.SINGLE
+    model.save_pretrained(path)
+
+
+def ensure_checkpoint(args, shape: str, tp) -> str:
+    """The random checkpoint of ``shape`` under --checkpoint_dir, written by rank 0 in a child process (so no rank's
+    host memory peak includes the writing) when it is not there yet."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    path = os.path.join(args.checkpoint_dir, shape)
+    if tp.rank == 0 and not os.path.isfile(os.path.join(path, "config.json")):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        cmd = [sys.executable, os.path.abspath(__file__), "--write_checkpoint", path, "--shapes", shape]
+        subprocess.run(cmd, check=True, env=env)
+    dist.barrier(group=tp.group)
+    return path
+
+
+def allreduce_ms_per_token(model, batch: int, device, reps: int = 20) -> float:
+    """The decode step's collectives alone, through the registry's ``all_reduce``: two per layer on [batch, 1,
+    hidden] and one on the [batch, vocab] logits, captured in one CUDA graph as in the graphed step; ms per replay
+    is the all-reduce time per token (CPU: timed eagerly)."""
+    cfg, group, op = model.config, model.tp.group, model.kernels.all_reduce
+    h = torch.zeros(batch, 1, cfg.hidden_size, device=device, dtype=model.dtype)
+    logits = torch.zeros(batch, cfg.vocab_size, device=device, dtype=model.dtype)
+
+    def body():
+        for _ in range(2 * cfg.num_hidden_layers):
+            op(h, group)
+        op(logits, group)
+
+    if device.type != "cuda":
+        return 1e3 * time_median(body, reps=3, warmup=1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        body()  # eager warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return 1e3 * time_median(graph.replay, reps=reps)
+
+
+def hf_tp_auto() -> dict:
+    """transformers' tensor parallelism, ``tp_plan="auto"``: through ``DistributedConfig`` where it takes it (the
+    bare keyword is deprecated there), else the keyword."""
+    import inspect
+
+    import transformers
+
+    config = getattr(transformers, "DistributedConfig", None)
+    if config is not None and "tp_plan" in inspect.signature(config).parameters:
+        return {"distributed_config": config(tp_plan="auto")}
+    return {"tp_plan": "auto"}
+
+
+def bench_tp(args, device, dtype, flags, out) -> None:
+    """Every rank builds its shard on its device (random weights drawn per shard, or --load: read from the random
+    checkpoint with each rank's slices), decodes the same random prompts; rank 0 logs tokens/s, all-reduce ms per
+    token, and per rank: shard size, peak device memory, peak host RSS. Peers: transformers' tp_plan="auto" on the
+    peer shapes, in the same run."""
+    import transformers
+
+    from polyfuse import distributed
+
+    tp = distributed.init(device)
+    if tp.world_size != args.tp:
+        raise SystemExit(
+            f"error: --tp {args.tp} needs torchrun --nproc-per-node {args.tp} (world size is {tp.world_size})"
+        )
+    device, cuda = tp.device, tp.device.type == "cuda"
+    torch.manual_seed(0)  # every rank draws the same prompts
+    log(dict(what="versions", torch=torch.__version__, transformers=transformers.__version__, tp=tp.world_size,
+             backend=tp.backend, gpu=torch.cuda.get_device_name(device) if cuda else "cpu", flags=sorted(flags),
+             env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}), out)  # fmt: skip
+    peers = [m for m in args.peers.split(",") if m]
+    for shape in [s for s in args.shapes.split(",") if s]:
+        cfg = config_for(shape)
+        on_disk = shape in args.peer_shapes.split(",") and args.checkpoint_dir and (peers or args.load)
+        ckpt = ensure_checkpoint(args, shape, tp) if on_disk else None
+        rss_before, t0 = rss_bytes(), time.perf_counter()
+        if ckpt is not None and args.load:
+            model = AutoModelForCausalLM.from_pretrained(
+                ckpt, dtype=dtype, device=device, flags=flags, overrides=args.ops
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
+        if cuda:
+            torch.cuda.synchronize(device)
+        ranks = gather(tp, dict(build_s=round(time.perf_counter() - t0, 2), shard_GB=gb(weight_bytes(model)),
+                                rss_before_GB=gb(rss_before), rss_peak_GB=gb(rss_bytes())))  # fmt: skip
+        log(dict(what="tp_model", shape=shape, tp=tp.world_size, source="safetensors" if ckpt and args.load else
+                 "random per shard", backends={k: v["implementation"] for k, v in model.kernels.as_dict().items()},
+                 per_rank=ranks), out)  # fmt: skip
+        model.eval()
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
+            model.cache = None
+            ar = allreduce_ms_per_token(model, bs, device)
+            peaks = gather(tp, gb(peak))
+            log(decode_row("polyfuse", shape, bs, ms, warm, max(peaks) * 1e9, tp=tp.world_size,
+                           allreduce_ms_per_token=round(ar, 4), mem_max_GB_per_rank=peaks,
+                           host_rss_peak_GB_per_rank=gather(tp, gb(rss_bytes()))), out)  # fmt: skip
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+        if ckpt is None or not peers:
+            continue
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, **hf_tp_auto(), **{DTYPE_KW: dtype}).eval()
+        for bs in [int(b) for b in args.peer_batch_sizes.split(",")]:
+            for mode in peers:
+                try:
+                    hms, hwarm, hpeak = bench_hf(hf, mode, bs, args.prompt_len, args.new_tokens, device)
+                except Exception as e:  # a peer failing must not lose polyfuse's numbers
+                    log(dict(what="decode", impl="transformers", mode=mode, tp_plan="auto", shape=shape, bs=bs,
+                             error=str(e)[:300]), out)  # fmt: skip
+                    continue
+                log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, tp_plan="auto"), out)
+        del hf
+        if cuda:
+            torch.cuda.empty_cache()
+    distributed.shutdown()
+    if out:
+        out.close()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter teardown, where gloo can abort when a peer exits at the same time
 
 
 if __name__ == "__main__":

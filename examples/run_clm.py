@@ -111,6 +111,8 @@ def _parse_overrides(text: str) -> dict:
 def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArguments):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from polyfuse.engine.compat import DTYPE_KW  # dtype= from transformers 4.56 on, torch_dtype= before
+
     path, gguf = script.model_name_or_path, script.gguf_file
     if path is None:
         from polyfuse.models.builtin import builtin_model
@@ -136,7 +138,7 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
                 overrides=targs.polyfuse_overrides(), training=True,
             ), tokenizer  # fmt: skip
         with _rope_checked(config):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype), tokenizer
+            return AutoModelForCausalLM.from_config(config, **{DTYPE_KW: dtype}), tokenizer
     if script.model_impl == "polyfuse":
         from polyfuse.models import AutoModelForCausalLM as PolyfuseAuto
 
@@ -146,7 +148,7 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
         )  # fmt: skip
         return model, tokenizer
     with _rope_checked(lambda: AutoConfig.from_pretrained(path, **kw)):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path, **{DTYPE_KW: dtype}, **kw)
     if gguf:
         # transformers dequantizes GGUF weights into ordinary parameters but still tags the model as quantized,
         # which Trainer refuses to fine-tune; nothing is quantized any more, so drop the tag (and from the config,

@@ -8,6 +8,8 @@ import pytest
 import torch
 import transformers
 
+from polyfuse.engine.compat import DTYPE_KW, llama_config
+
 
 PAD, BOS, EOS = 0, 1, 7
 
@@ -40,7 +42,7 @@ def tiny_config(**overrides) -> transformers.LlamaConfig:
         "tie_word_embeddings": False,
     }
     kw.update(overrides)
-    return transformers.LlamaConfig(**kw)
+    return llama_config(**kw)  # rope_parameters works on transformers 4.x too
 
 
 @torch.no_grad()
@@ -67,7 +69,7 @@ def tiny_llama(seed: int = 0, attn: str = "sdpa") -> transformers.LlamaForCausal
 
 def hf_from_pretrained(path: str, **kw) -> transformers.LlamaForCausalLM:
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager", **kw
+        path, **{DTYPE_KW: torch.float32}, attn_implementation="eager", **kw
     )
     return model.eval()
 
@@ -153,3 +155,16 @@ def write_tiny_cli_model(path: str, tokenizer, max_position_embeddings: int = 32
     tokenizer.save_pretrained(path)
     assert os.path.isfile(os.path.join(path, "config.json"))
     return path
+
+
+def cpu_scaled_mm_missing():
+    """Why torch._scaled_mm cannot run on the CPU in this torch (it has no CPU kernel before torch 2.8), or None."""
+    import torch
+
+    try:
+        a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+        one = torch.ones((), dtype=torch.float32)
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (NotImplementedError, RuntimeError, AttributeError, TypeError) as e:
+        return f"torch {torch.__version__} has no CPU torch._scaled_mm ({type(e).__name__})"
+    return None

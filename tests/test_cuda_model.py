@@ -7,6 +7,7 @@ import transformers
 
 from polyfuse.bench.measure import weight_bytes
 from polyfuse.engine import generation
+from polyfuse.engine.compat import DTYPE_KW
 from polyfuse.engine.loading import set_kernels
 from polyfuse.models.llama import LlamaForCausalLM
 
@@ -38,7 +39,9 @@ def pair(tmp_path_factory):
     """polyfuse model (all CUDA kernels) and transformers' model on the same bf16 weights."""
     path = tmp_path_factory.mktemp("ckpt")
     LlamaForCausalLM.from_config(_config(), dtype=torch.float32, seed=1).save_pretrained(str(path))
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        path, **{DTYPE_KW: torch.bfloat16}, attn_implementation="sdpa"
+    ).cuda()
     ours = LlamaForCausalLM.from_pretrained(
         str(path), dtype=torch.bfloat16, device="cuda", flags={"use_flash_attention": True}
     )

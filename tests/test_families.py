@@ -24,6 +24,7 @@ from transformers.masking_utils import (
 import polyfuse
 from polyfuse.core.errors import CheckpointError
 from polyfuse.core.registry import SelectionContext, bound, resolve
+from polyfuse.engine.compat import DTYPE_KW, rope_parameters
 from polyfuse.models import FAMILIES as POLYFUSE_FAMILIES
 from polyfuse.models import AutoModelForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from polyfuse.ops.attention import AttentionMeta, attention_native, cache_mask
@@ -206,7 +207,9 @@ def test_polyfuse_save_transformers_load(tmp_path, family):
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["architectures"] == [cls.hf_architecture] == [FAMILIES[family][1].__name__]
     assert saved["model_type"] == family
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, **{DTYPE_KW: torch.float32}, attn_implementation="eager"
+    )
     assert type(hf) is FAMILIES[family][1]
     assert hf.config.sliding_window == WINDOW and hf.config.tie_word_embeddings == (family == "qwen2")
     ids, mask = left_padded(random_rows((14, 9), VOCAB, seed=5))
@@ -235,7 +238,7 @@ def write_gguf(hf, arch: str, path: Path) -> Path:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(hf.model.layers[0].self_attn.head_dim)
     w.add_value_length(hf.model.layers[0].self_attn.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -263,7 +266,7 @@ def test_gguf_matches_transformers(tmp_path, family, overrides):
     assert type(ours) is FAMILIES[family][2]
     assert ours.config.head_dim == hf.model.layers[0].self_attn.head_dim
     assert ours.config.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert ours.config.rope_parameters["rope_theta"] == 1e6
+    assert rope_parameters(ours.config)["rope_theta"] == 1e6
     ids, mask = left_padded(random_rows((14, 9), VOCAB, seed=6))
     assert logits_diff(ours, hf, ids, mask) <= ATOL
 

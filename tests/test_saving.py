@@ -21,6 +21,7 @@ import transformers
 from helpers import hf_from_pretrained, hf_random, one_thread, tiny_config, tiny_llama, write_tiny_cli_model  # noqa: F401
 from safetensors import safe_open
 
+from polyfuse.engine.compat import TRANSFORMERS_5
 from polyfuse.engine.saving import save_pretrained
 from polyfuse.models import AutoModelForCausalLM as PfAuto
 from polyfuse.models.llama import LlamaForCausalLM as PfLlama
@@ -210,9 +211,10 @@ def test_tied_config_with_a_different_lm_head_unties_like_transformers(tmp_path,
     folder = tmp_path / "ckpt"
     hf = _tied_config_with_own_head(folder)
     theirs = hf_from_pretrained(str(folder))
-    assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()  # transformers unties
-    assert torch.equal(theirs.lm_head.weight, hf.lm_head.weight)
-    want = _logits(theirs)
+    if TRANSFORMERS_5:  # 5.x unties, as polyfuse does; 4.x (4.55) ties and drops the checkpoint's lm_head
+        assert theirs.lm_head.weight.data_ptr() != theirs.model.embed_tokens.weight.data_ptr()  # transformers unties
+        assert torch.equal(theirs.lm_head.weight, hf.lm_head.weight)
+    want = _logits(theirs if TRANSFORMERS_5 else hf)
     assert loading.LOAD_WORKERS > 1 or os.cpu_count() == 1  # the threaded loader is what raced
     for _ in range(4):  # the old loader's result changed from load to load
         caplog.clear()
@@ -309,7 +311,10 @@ def test_run_clm_unknown_rope_type_is_one_line(run_clm, capsys, tiny_clm_folder,
     folder = tmp_path / "bad_rope"
     shutil.copytree(tiny_clm_folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "bogus", "rope_theta": 10000.0}
+    if TRANSFORMERS_5 or impl == "polyfuse":  # polyfuse reads 5.x's field under 4.x too (engine/compat.py)
+        cfg["rope_parameters"] = {"rope_type": "bogus", "rope_theta": 10000.0}
+    else:  # transformers 4.x reads rope_scaling and ignores rope_parameters
+        cfg["rope_scaling"] = {"rope_type": "bogus", "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(cfg))
     rc, out, err = _clm(
         run_clm, capsys, "--model_name_or_path", folder, "--model_impl", impl, "--output_dir", tmp_path / "out",

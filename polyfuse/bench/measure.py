@@ -49,4 +49,7 @@ def weight_bytes(model, exclude_embedding: bool = False) -> int:
         if exclude_embedding and emb is not None and p is emb:
             continue
         total += p.numel() * p.element_size()
+    for m in model.modules():  # quantized projections hold their packed weights as buffers (engine/quantize.py)
+        if hasattr(m, "quantized_weight"):
+            total += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
     return total

@@ -2,6 +2,8 @@
 
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+from polyfuse.engine.compat import make_config
+
 
 CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -32,6 +34,17 @@ SHAPES = {
         num_hidden_layers=40,
         num_attention_heads=40,
         num_key_value_heads=40,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+    # Llama-2-70B whole (80 layers, 69B parameters: 138 GB in bf16): tensor parallel only (--tp 2 and up), with random
+    # weights drawn per shard on each device.
+    "llama2-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
@@ -97,4 +110,4 @@ def config_for(name: str):
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPES)}")
     kw = dict(SHAPES[name])
     kw.setdefault("tie_word_embeddings", False)
-    return CONFIGS[kw.pop("model_type", "llama")](**kw)
+    return make_config(CONFIGS[kw.pop("model_type", "llama")], **kw)  # rope_parameters on transformers 4.x too

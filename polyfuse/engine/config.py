@@ -7,6 +7,15 @@ import json
 import os
 
 from polyfuse.core.errors import CheckpointError, one_line
+from polyfuse.engine.compat import config_kwargs
+
+
+# Sizes every family reads as integers. transformers 5 type-checks them when the config is built; 4.x takes any
+# value and the build fails later with a bare TypeError, so they are checked here, on every version.
+INT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings",
+)  # fmt: skip
 
 
 def head_dim(config) -> int:
@@ -29,8 +38,15 @@ def read_config_dict(path: str) -> dict:
 
 
 def config_from_dict(config_class, raw: dict, where: str):
+    for key in INT_FIELDS:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise CheckpointError(
+                f"{where}: invalid {raw.get('model_type')} config ({key} must be an integer, got {value!r})"
+            )
     try:
-        return config_class.from_dict(raw)
+        # A 5.x config.json (or GGUF fields) says rope_parameters; transformers 4.x needs rope_theta + rope_scaling.
+        return config_class.from_dict(config_kwargs(raw))
     except Exception as e:  # transformers validates rope parameters and sizes
         raise CheckpointError(f"{where}: invalid {raw.get('model_type')} config ({one_line(e)})") from None
 

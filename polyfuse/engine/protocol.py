@@ -47,6 +47,11 @@ class CausalLM(Protocol):
     def tie_weights(self) -> None:
         """Share the LM head with the embedding where the config says so."""
 
+    def get_output_embeddings(self) -> torch.nn.Module:
+        """The LM head. Quantization (engine/quantize.py) leaves it in the run's dtype and may swap every other
+        ``nn.Linear`` for a ``QLinear`` holding a packed weight, which the forward dispatches to the ``linear_q`` ops
+        (models/decoder.py ``project``)."""
+
     # -- decoding ----------------------------------------------------------------------------------------------
     def kv_cache_layout(self) -> tuple[int, int, int]:
         """(layers, kv heads, head dim) of the static KV cache the engine allocates into ``self.cache``."""

@@ -10,13 +10,15 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from polyfuse.engine.compat import rope_parameters
 from polyfuse.engine.config import head_dim
 
 
 def _default_inv_freq(config, device=None):
-    base = config.rope_parameters["rope_theta"]
+    params = rope_parameters(config)  # transformers 5's rope_parameters, or 4.x's rope_theta + rope_scaling
+    base = params["rope_theta"]
     dim = head_dim(config)
-    partial = config.rope_parameters.get("partial_rotary_factor", 1.0)
+    partial = params.get("partial_rotary_factor", 1.0)
     dim = int(dim * partial)
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     return inv, 1.0
@@ -25,7 +27,7 @@ def _default_inv_freq(config, device=None):
 def check_rope_type(config) -> str:
     """The config's rope type, or a one-line ValueError naming the known ones (transformers' own models raise a
     bare KeyError for an unknown type when they are built)."""
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope_type = rope_parameters(config).get("rope_type", "default")
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         known = sorted({"default", *ROPE_INIT_FUNCTIONS})
         raise ValueError(f"rope type {rope_type!r} is not supported (known: {', '.join(known)})")

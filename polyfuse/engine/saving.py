@@ -16,7 +16,9 @@ import os
 import shutil
 import uuid
 
+from polyfuse.engine.compat import set_config_dtype
 from polyfuse.engine.loading import hf_state_items
+from polyfuse.engine.quantize import quantized_state_items
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,13 +40,13 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
     os.makedirs(path, exist_ok=True)
     config = model.config
     config.architectures = [model.hf_architecture]
-    config.dtype = model.dtype
+    set_config_dtype(config, model.dtype)  # config.dtype; torch_dtype before transformers 4.56
     staging = os.path.join(path, f".polyfuse-save-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(staging)
     try:
         config.save_pretrained(staging)
         shards, current, size = [], {}, 0
-        for name, t in hf_state_items(model):
+        for name, t in [*hf_state_items(model), *quantized_state_items(model)]:  # packed weights: quantize.py
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if current and size + t.numel() * t.element_size() > max_shard_bytes:

@@ -36,12 +36,13 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False):  # fmt: skip
+                        training=False, quant=None):  # fmt: skip
         model_type, where = checkpoint_model_type(path, gguf_file)
         cls = family_for(model_type, where)
-        return from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training)
+        return from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant)
 
     @staticmethod
-    def from_config(config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0):
+    def from_config(config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
+                    quant=None):  # fmt: skip
         cls = family_for(getattr(config, "model_type", None), "config")
-        return from_config(cls, config, dtype, device, flags, overrides, training, seed)
+        return from_config(cls, config, dtype, device, flags, overrides, training, seed, quant=quant)

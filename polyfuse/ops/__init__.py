@@ -2,10 +2,12 @@
 
 from polyfuse.ops import (
     add_rms_norm,
+    all_reduce,
     attention,
     linear,
     linear_cross_entropy,
     qk_norm,
+    quant_linear,
     rms_norm,
     rotary,
     rotary_kv_write,
@@ -17,10 +19,12 @@ from polyfuse.ops.attention import AttentionMeta
 __all__ = [
     "AttentionMeta",
     "add_rms_norm",
+    "all_reduce",
     "attention",
     "linear",
     "linear_cross_entropy",
     "qk_norm",
+    "quant_linear",
     "rms_norm",
     "rotary",
     "rotary_kv_write",

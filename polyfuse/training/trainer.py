@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import time
@@ -29,6 +30,10 @@ from polyfuse.training.gaudi_config import GaudiConfig
 
 
 logger = logging.getLogger("polyfuse")
+# transformers 5: Trainer.create_optimizer(model=None) and a _clip_grad_norm(model) hook. transformers 4.x (4.55, what
+# optimum-habana pins): create_optimizer(self), and the training loop calls accelerator.clip_grad_norm_ directly.
+_CREATE_OPTIMIZER_TAKES_MODEL = "model" in inspect.signature(Trainer.create_optimizer).parameters
+_TRAINER_HAS_CLIP_HOOK = hasattr(Trainer, "_clip_grad_norm")
 
 
 def _is_polyfuse_model(model: nn.Module) -> bool:
@@ -164,17 +169,41 @@ class PolyfuseTrainer(Trainer):
             logger.warning(
                 "polyfuse: use_fused_adam asked for but Habana FusedAdamW is unavailable; using %s", self.args.optim
             )
-        return super().create_optimizer(model)
+        return super().create_optimizer(model) if _CREATE_OPTIMIZER_TAKES_MODEL else super().create_optimizer()
 
-    def _clip_grad_norm(self, model):
+    def _fused_clip_grad_norm(self, parameters):
+        """Habana FusedClipNorm's clip (the pre-clip norm) when the gaudi config asks for it and it exists; else
+        None."""
         if self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_clip_norm:
+            parameters = list(parameters)
             if self._fused_clip is None:
-                clip = self.runtime.fused_clip_norm(model.parameters(), self.args.max_grad_norm)
+                clip = self.runtime.fused_clip_norm(parameters, self.args.max_grad_norm)
                 self._fused_clip = clip or False
             if self._fused_clip:
                 clip = self._fused_clip
-                return clip.clip_norm(model.parameters()) if hasattr(clip, "clip_norm") else clip(model.parameters())
-        return super()._clip_grad_norm(model)
+                return clip.clip_norm(parameters) if hasattr(clip, "clip_norm") else clip(parameters)
+        return None
+
+    def _clip_grad_norm(self, model):
+        norm = self._fused_clip_grad_norm(model.parameters())
+        return norm if norm is not None else super()._clip_grad_norm(model)
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        if not _TRAINER_HAS_CLIP_HOOK:
+            # transformers 4.x has no _clip_grad_norm hook: its loop calls accelerator.clip_grad_norm_(params,
+            # max_grad_norm) itself, so the fused clip goes there (the loop's own call only; other norms pass by).
+            accelerate_clip = self.accelerator.clip_grad_norm_
+
+            def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+                if max_norm == self.args.max_grad_norm and not args and not kwargs:
+                    parameters = list(parameters)
+                    norm = self._fused_clip_grad_norm(parameters)
+                    if norm is not None:
+                        return norm
+                return accelerate_clip(parameters, max_norm, *args, **kwargs)
+
+            self.accelerator.clip_grad_norm_ = clip_grad_norm_
 
     # ------------------------------------------------------------------------------------------ logging, saving
 

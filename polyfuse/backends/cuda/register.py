@@ -46,6 +46,33 @@ def probe_gemv(ctx: SelectionContext) -> Optional[str]:
     return None
 
 
+SCALED_MM_NOTE = "per-channel fp8 weights, bf16: x quantized to e4m3 per token + torch._scaled_mm"
+
+
+def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
+    if ctx.training:
+        return "inference only"
+    if not hasattr(torch, "_scaled_mm"):
+        return "torch has no _scaled_mm"
+    cap = tuple(ctx.platform.capability or ())
+    if cap and cap < (8, 9):
+        return f"fp8 tensor cores need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    if ctx.dtype not in DTYPES:
+        return f"dtype {str(ctx.dtype).replace('torch.', '')} unsupported"
+    if ctx.dtype != torch.bfloat16:
+        return f"row-wise fp8 scaled_mm needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
+    return None
+
+
+def _scaled_mm() -> Implementation:
+    """fp8 weights (polyfuse/ops/quant_linear.py) on fp8 tensor cores, ranked below the Triton one-row GEMV."""
+    mod = "polyfuse.backends.cuda.scaled_mm"
+    return Implementation(
+        "linear_q", "scaled_mm", BACKEND, DEVICES, lazy_function(mod, "linear_q"), PRIORITY - 10, probe_scaled_mm,
+        note=SCALED_MM_NOTE, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_linear_q"), quiet_decline=True,
+    )  # fmt: skip
+
+
 def _gemv(op: str) -> Implementation:
     mod = "polyfuse.backends.cuda.gemv_table"
     return Implementation(
@@ -62,6 +89,7 @@ def implementations() -> list[Implementation]:
         ),
         _gemv("linear"),
         _gemv("swiglu_linear"),
+        _scaled_mm(),
     ]
 
 

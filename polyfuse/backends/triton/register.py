@@ -83,12 +83,38 @@ def implementations() -> list[Implementation]:
     ]
 
 
+QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
+
+
+def quant_implementations() -> list[Implementation]:
+    """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its
+    loads; more rows (and anything else it declines) go to the next choice, the native dequantize + matmul."""
+    mod = "polyfuse.backends.triton.quant_gemv"
+    return [
+        Implementation(
+            op,
+            "gemv_q",
+            BACKEND,
+            DEVICES,
+            lazy_function(mod, op),
+            PRIORITY,
+            probe_inference,
+            supports_backward=False,
+            note=QUANT_NOTE,
+            platforms=PLATFORMS,
+            accepts=lazy_function(mod, "accepts_" + op),
+            quiet_decline=True,
+        )
+        for op in ("linear_q", "swiglu_linear_q")
+    ]
+
+
 _done = []
 
 
 def register() -> None:
     """The ``polyfuse.backends`` entry point ``triton``."""
     if not _done:
-        for impl in implementations():
+        for impl in implementations() + quant_implementations():
             register_impl(impl)
         _done.append(True)

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Perplexity of a model over a text shipped in the repo, for one or more weight formats in one run.
+
+    python examples/evaluate_perplexity.py                                   # built-in model, as loaded by default
+    python examples/evaluate_perplexity.py --quant none,gguf,int8,fp8,int4   # the same text under each format
+    python examples/evaluate_perplexity.py --model_name_or_path /models/llama-3-8b --bf16 --device cuda \
+        --quant none,fp8,int8,int4 --context 1024
+
+--quant takes run_generation.py's values (none: every weight dequantized/float; gguf: a GGUF's Q8_0/Q4_0/Q4_1
+tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load). The first entry
+is the baseline the others are compared with. The default text is the Declaration of Independence (public domain,
+examples/data/declaration_of_independence.txt).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
+
+
+DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independence.txt")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name_or_path", default=None, help="checkpoint folder; default: the built-in model")
+    p.add_argument("--gguf_file", default=None)
+    p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file")
+    p.add_argument("--quant", default="auto", help="comma list of formats to evaluate, the first is the baseline")
+    p.add_argument("--context", type=int, default=512, help="tokens per window (non-overlapping)")
+    p.add_argument("--max_tokens", type=int, default=0, help=">0: score only the first tokens of the text")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output", default=None, help="append one JSON line per format here")
+    args = p.parse_args(argv)
+
+    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.models import AutoModelForCausalLM
+    from polyfuse.models.builtin import builtin_model
+
+    path, gguf = args.model_name_or_path, args.gguf_file
+    if path is None and gguf is None:
+        path, gguf = builtin_model()
+    tokenizer = load_tokenizer(path, gguf)
+    with open(args.text, encoding="utf-8") as f:
+        ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
+    windows = token_windows(ids, args.context, args.max_tokens)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    base = None
+    for quant in args.quant.split(","):
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(
+            path, gguf_file=gguf, dtype=dtype, device=args.device, quant=None if quant == "auto" else quant
+        )
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ppl, n = perplexity(model, windows)
+        row = {"quant": quant, "perplexity": ppl, "tokens": n, "context": args.context, "dtype": str(dtype)[6:],
+               "device": args.device, "load_s": round(load_s, 2), "eval_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
+        base = ppl if base is None else base
+        row["vs_first"] = ppl / base - 1.0
+        print(json.dumps(row), flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        del model
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Shared pieces of the quantized one-row GEMVs (gemv_scaled.py, gemv_gptq.py, gemv_gguf.py): the activation load
+with SwiGLU folded in, the fp8 bit decoding for GPUs without fp8 conversions, tile choice and split-K launch."""
+
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from polyfuse.backends.triton._rounding import cast_rne
+from polyfuse.backends.triton._util import sm_count
+
+
+@triton.jit
+def load_x(X, U, offs, mask, SWIGLU: tl.constexpr):
+    """x[offs] in float32; with SWIGLU, silu(gate) * up rounded as the two-kernel path stores it (gate in X)."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if SWIGLU:
+        u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+        g = cast_rne(x / (1.0 + tl.exp(-x)), X.dtype.element_ty).to(tl.float32)
+        x = cast_rne(g * u, X.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def e4m3_to_f32(bits):
+    """float8 e4m3fn bit patterns (uint8) -> float32 by integer arithmetic (GPUs before sm89 have no fp8 cvt)."""
+    b = bits.to(tl.uint32)
+    sign = (b >> 7) & 1
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # subnormal: m / 8 * 2^-6
+    sub = tl.where(sign == 1, -sub, sub)
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def store_out(Y, B, n, n_mask, y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """One split: the row's result (plus bias) rounded once into Y; several: float32 partial sums added into Y."""
+    if SPLIT == 1:
+        if HAS_BIAS:
+            y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(Y + n, cast_rne(y, Y.dtype.element_ty), mask=n_mask)
+    else:
+        tl.atomic_add(Y + n, y, mask=n_mask)
+
+
+# Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
+# 8; gguf: of 32). Not tuned on a GPU yet; POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces entries.
+TILES = {
+    "int8": (16, 512, 4, 3),
+    "fp8": (16, 512, 4, 3),
+    "fp8_block": (16, 128, 4, 3),
+    "int4": (64, 128, 4, 3),
+    "gguf_q8_0": (8, 256, 4, 3),
+    "gguf_q4_0": (8, 256, 4, 3),
+    "gguf_q4_1": (8, 256, 4, 3),
+}
+_env = os.environ.get("POLYFUSE_QGEMV_TILES")
+if _env:
+    TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})
+
+
+def dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit last stride (the kernels index rows by their first stride)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def split_k(n_programs: int, k_tiles: int, device: torch.device) -> int:
+    """Splits of K so that about two programs per multiprocessor run (one split when the rows already fill them)."""
+    want = triton.cdiv(2 * sm_count(device), max(n_programs, 1))
+    return max(1, min(want, k_tiles))
+
+
+def output(m_rows: int, n: int, dtype: torch.dtype, device, split: int) -> torch.Tensor:
+    if split == 1:
+        return torch.empty((m_rows, n), dtype=dtype, device=device)
+    return torch.zeros((m_rows, n), dtype=torch.float32, device=device)
+
+
+def finish(y: torch.Tensor, bias, dtype: torch.dtype, split: int) -> torch.Tensor:
+    if split == 1:
+        return y
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)

@@ -1,0 +1,62 @@
+"""The Triton implementations of ``linear_q`` / ``swiglu_linear_q``: a one-row GEMV that reads the packed weight
+and dequantizes in its loads, one kernel per layout (gemv_scaled.py: int8 / fp8 / fp8_block; gemv_gptq.py: int4;
+gemv_gguf.py: GGUF Q8_0 / Q4_0 / Q4_1). Anything else (more than one row, a format without a kernel, gradients) is
+declined to the registry's next choice (the native reference: dequantize + ``F.linear``, i.e. cuBLAS on a GPU)."""
+
+from typing import Optional
+
+import torch
+
+from polyfuse.ops.quant_formats import GGUF_BYTES
+
+
+SCALED = ("int8", "fp8", "fp8_block")
+FORMATS = (*SCALED, "int4", *GGUF_BYTES)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
+    n, k = qweight.shape
+    if x.shape[-1] != k or x.numel() != k:
+        return "not a one-row projection"
+    if qweight.format not in FORMATS:
+        return f"no GEMV for format {qweight.format}"
+    if x.dtype not in DTYPES:
+        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return "needs gradients"
+    return None
+
+
+def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+    return _refusal(x, qweight, bias)
+
+
+def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
+    if up.shape != gate.shape:
+        return "gate and up shapes differ"
+    return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
+
+
+def _row(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _gemv(x, up, qweight, bias):
+    fmt = qweight.format
+    if fmt in SCALED:
+        from polyfuse.backends.triton.gemv_scaled import gemv_scaled as kernel
+    elif fmt == "int4":
+        from polyfuse.backends.triton.gemv_gptq import gemv_gptq as kernel
+    else:
+        from polyfuse.backends.triton.gemv_gguf import gemv_gguf as kernel
+    return kernel(_row(x), None if up is None else _row(up), qweight, bias)
+
+
+def linear_q(x, qweight, bias=None):
+    return _gemv(x, None, qweight, bias).view(*x.shape[:-1], qweight.shape[0])
+
+
+def swiglu_linear_q(gate, up, qweight, bias=None):
+    return _gemv(gate, up, qweight, bias).view(*gate.shape[:-1], qweight.shape[0])

@@ -1,0 +1,30 @@
+"""Perplexity of a causal LM over a text: the quality check of quantized weights (examples/evaluate_perplexity.py,
+tests/test_quantization.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def token_windows(ids: torch.Tensor, context: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """1-D token ids -> non-overlapping windows of ``context`` tokens (the last one shorter), at most ``max_tokens``
+    tokens in all (0: every token)."""
+    if max_tokens > 0:
+        ids = ids[:max_tokens]
+    return [ids[i : i + context] for i in range(0, len(ids), context) if len(ids[i : i + context]) > 1]
+
+
+@torch.inference_mode()
+def perplexity(model, windows: list[torch.Tensor], device=None) -> tuple[float, int]:
+    """(exp(mean negative log-likelihood), tokens scored) over the windows: each window is one cache-less forward
+    scoring its tokens after the first (the model's fused linear cross-entropy: no [tokens, vocab] logits kept)."""
+    device = device or model.device
+    nll, count = 0.0, 0
+    for w in windows:
+        ids = w[None].to(device)
+        loss = model(ids, labels=ids).loss
+        nll += float(loss) * (ids.shape[1] - 1)
+        count += ids.shape[1] - 1
+    return math.exp(nll / count), count

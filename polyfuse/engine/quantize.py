@@ -1,0 +1,599 @@
+"""Quantized weights at load time: which projections hold packed weights, in which format, and how a checkpoint's
+tensors get into them (formats: polyfuse/ops/quant_formats.py; the ops that take them: polyfuse/ops/quant_linear.py).
+
+A quantized projection is a :class:`QLinear`: the packed weight's buffers (no dense weight is ever allocated for it)
+and the bias; the decoder sends it to the ``linear_q`` ops (``models/decoder.py`` ``project``). What is quantized:
+every ``nn.Linear`` of the model except the LM head (the output embedding, tied to the input embedding or not),
+which keeps the run's dtype. The loader (engine/loading.py) calls :func:`setup` before building, ``apply`` on the
+meta-built model (swaps the projections), ``place`` for every checkpoint tensor and ``finish`` at the end.
+
+Where the packed weights come from:
+  * ``quant="int8" | "int4" | "fp8" | "fp8_block"``: a float checkpoint (safetensors, or a GGUF dequantized) is
+    quantized tensor by tensor as it loads (round to nearest; the formats are row-local, so each fused part is
+    quantized on its own). A projection the format cannot pack keeps the run's dtype, with one warning naming it.
+  * a GGUF: Q8_0 / Q4_0 / Q4_1 tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
+    implementation besides the native reference (a Triton GEMV on NVIDIA), or with ``quant="gguf"``; otherwise they
+    are dequantized at load (the same numbers as the native reference, without dequantizing at every call). Other
+    quantized GGUF types are dequantized at load with one warning.
+  * a quantized safetensors checkpoint, read as stored: AutoGPTQ's layout (``quantization_config.quant_method:
+    gptq``, 4 bits; what ``save_pretrained`` writes for int4), compressed-tensors fp8 (per-tensor, per-channel,
+    1x128 group or 128x128 block scales), and polyfuse's own (``quant_method: polyfuse``, docs/quantization.md).
+    ``quant="none"`` dequantizes any of them at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from polyfuse.core.errors import CheckpointError
+from polyfuse.ops.quant_formats import (
+    FP8_BLOCK,
+    GGUF_TYPES,
+    INT4_GROUP,
+    LOAD_TIME_FORMATS,
+    QuantizedWeight,
+    cannot_pack,
+    components,
+    dequantize,
+    describe,
+    quantize_components,
+)
+
+
+logger = logging.getLogger("polyfuse")
+
+CHOICES = ("fp8", "fp8_block", "int8", "int4", "gguf", "none")
+DENSE = (torch.float32, torch.bfloat16, torch.float16)
+# compressed-tensors' tensor names -> QLinear buffers; their static activation scales are not used (polyfuse
+# quantizes activations per token where it quantizes them at all).
+CT_NAMES = {"weight": "qweight", "weight_scale": "scales"}
+IGNORED = ("input_scale", "weight_zero_point", "input_zero_point")
+GGUF_FLOAT = ("F32", "F16", "BF16", "F64")
+
+
+class QLinear(nn.Module):
+    """A projection holding a packed weight (buffers named as in polyfuse/ops/quant_formats.py) and its bias.
+
+    ``parts`` are the output rows of the checkpoint tensors fused into it (q/k/v, gate/up), in order."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool, dtype: torch.dtype,
+                 group_size: int = INT4_GROUP, parts: tuple = ()):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        self.group_size = {"int4": group_size, "fp8_block": FP8_BLOCK}.get(fmt, 0)
+        self.parts = tuple(parts) or (out_features,)
+        self.act_order = False
+        self.spec = components(fmt, out_features, in_features, self.group_size or INT4_GROUP)
+        for name, c in self.spec.items():
+            self.register_buffer(name, torch.empty(c.shape, dtype=c.dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def quantized_weight(self) -> QuantizedWeight:
+        b = self._buffers
+        return QuantizedWeight(self.format, (self.out_features, self.in_features), b["qweight"], b.get("scales"),
+                               b.get("qzeros"), b.get("g_idx"), self.group_size, self.act_order)  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}" + (
+            f", group_size={self.group_size}" if self.group_size else ""
+        )
+
+
+def quantized_modules(model) -> dict[str, QLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
+
+
+def _candidates(model) -> list[tuple[str, nn.Linear]]:
+    head = model.get_output_embeddings()
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+
+
+def _parts(model, name: str, rows: int) -> list[tuple[str, int]]:
+    """[(checkpoint module name, rows)] fused into module ``name`` (itself when it is not fused)."""
+    for frag, parts in model.fused_projections().items():
+        if name.endswith("." + frag):
+            prefix = name[: -len(frag)]
+            return [(prefix + part, size) for part, size in parts]
+    return [(name, rows)]
+
+
+def _set_module(model, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _resolve(tensor) -> torch.Tensor:
+    return tensor() if callable(tensor) else tensor
+
+
+# ---- what the checkpoint holds ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    kind: str  # dense | gguf | gptq | compressed-tensors | polyfuse
+    fmt: str = ""  # gptq: int4; compressed-tensors: fp8 / fp8_block
+    group_size: int = INT4_GROUP
+    formats: dict = field(default_factory=dict)  # polyfuse: checkpoint module -> format
+    groups: dict = field(default_factory=dict)  # polyfuse: checkpoint module -> int4 group size
+    gguf_types: dict = field(default_factory=dict)  # gguf: HF weight name -> ggml type name
+    keys: set = field(default_factory=set)  # safetensors tensor names
+    read: Optional[Callable[[str], torch.Tensor]] = None  # safetensors: read one tensor by name
+    block_scales: bool = False  # compressed-tensors 128x128 block scales (expanded to 1x128 rows at load)
+
+
+def _compressed_tensors(qc: dict, where: str) -> Checkpoint:
+    groups = qc.get("config_groups") or {}
+    schemes = [g.get("weights") or {} for g in groups.values()]
+    if not schemes or any(s.get("type") != "float" or s.get("num_bits") != 8 for s in schemes):
+        raise CheckpointError(f"{where}: compressed-tensors scheme {schemes} is not supported (polyfuse reads fp8)")
+    strategies = {s.get("strategy") for s in schemes}
+    if len(strategies) != 1:
+        raise CheckpointError(f"{where}: mixed compressed-tensors weight strategies {sorted(strategies)}")
+    strategy = strategies.pop()
+    if strategy in ("tensor", "channel"):
+        return Checkpoint("compressed-tensors", "fp8")
+    if strategy == "group" and all(s.get("group_size") == FP8_BLOCK for s in schemes):
+        return Checkpoint("compressed-tensors", "fp8_block")
+    if strategy == "block" and all(list(s.get("block_structure") or []) == [FP8_BLOCK, FP8_BLOCK] for s in schemes):
+        return Checkpoint("compressed-tensors", "fp8_block", block_scales=True)
+    raise CheckpointError(f"{where}: compressed-tensors fp8 strategy {strategy!r} is not supported")
+
+
+def read_checkpoint(raw: dict, path: Optional[str], gguf_file: Optional[str], where: str) -> Checkpoint:
+    """What a checkpoint folder (config.json's ``quantization_config``, tensor names) or a GGUF file (``gguf_file``:
+    its path) holds."""
+    if gguf_file is not None:
+        from polyfuse.engine.weights import gguf_name_to_hf, open_gguf
+
+        reader = open_gguf(gguf_file)
+        types = {gguf_name_to_hf(t.name): t.tensor_type.name for t in reader.tensors}
+        return Checkpoint("gguf", gguf_types={k: v for k, v in types.items() if k})
+    qc = raw.get("quantization_config")
+    if not qc:
+        return Checkpoint("dense")
+    method = qc.get("quant_method")
+    if method == "gptq":
+        if qc.get("bits") != 4 or qc.get("checkpoint_format", "gptq") != "gptq":
+            raise CheckpointError(
+                f"{where}: GPTQ with bits={qc.get('bits')} checkpoint_format={qc.get('checkpoint_format')} is not "
+                "supported (polyfuse reads AutoGPTQ's 4-bit layout)"
+            )
+        g = int(qc.get("group_size", INT4_GROUP))
+        ck = Checkpoint("gptq", "int4", group_size=g)
+    elif method == "compressed-tensors":
+        ck = _compressed_tensors(qc, where)
+    elif method == "polyfuse":
+        ck = Checkpoint("polyfuse", formats=dict(qc.get("formats") or {}), groups=dict(qc.get("group_sizes") or {}))
+    else:
+        raise CheckpointError(
+            f"{where}: quantization_config.quant_method {method!r} is not supported; polyfuse reads gptq (4-bit), "
+            "compressed-tensors fp8 and its own quantized saves"
+        )
+    from polyfuse.engine.weights import iter_safetensors
+
+    readers = dict(iter_safetensors(path))
+    ck.keys, ck.read = set(readers), (lambda name: readers[name]())
+    return ck
+
+
+def _kernel_takes_quantized(ctx) -> bool:
+    """Does the run's ``linear_q`` have an implementation besides the native reference on this device?"""
+    from polyfuse.core.registry import ENV_OVERRIDES, NATIVE, implementations, parse_overrides
+
+    overrides = {**parse_overrides(os.environ.get(ENV_OVERRIDES, "")), **parse_overrides(ctx.overrides)}
+    if ctx.training or overrides.get("linear_q") == "-":
+        return False
+    return any(i.name != NATIVE and i.unusable_reason(ctx) is None for i in implementations("linear_q"))
+
+
+# ---- the setup: decisions per projection, then loading ------------------------------------------------------------
+
+
+class QuantSetup:
+    """One load's quantization: built by :func:`setup` from the request and the checkpoint, then ``apply`` (meta
+    model), ``tensors`` (the checkpoint iterator), ``place`` (each tensor) and ``finish``."""
+
+    def __init__(self, request: Optional[str], ckpt: Checkpoint, keep_gguf: bool, device, dtype):
+        self.request, self.ckpt, self.keep_gguf = request, ckpt, keep_gguf
+        self.device, self.dtype = torch.device(device), dtype
+        self.qmodules: dict[str, QLinear] = {}
+        self.staged: dict[str, tuple] = {}  # dense module -> (format, group size, parts) of its packed tensors
+        self.keep: set = set()  # GGUF weight names read as stored
+        self.dense_why: dict[str, list] = {}
+        self.filled: dict = {}
+        self.pending: dict = {}
+        self.params: dict = {}
+        self.part_of: dict = {}
+        self.lock = threading.Lock()
+
+    # -- decisions ------------------------------------------------------------------------------------------------
+
+    def _module_format(self, name: str, lin: nn.Linear, parts) -> tuple[Optional[str], int, str]:
+        """(format or None for dense, group size, why dense) of one projection."""
+        ck, k = self.ckpt, lin.in_features
+        sizes = tuple(s for _, s in parts)
+        if self.request in LOAD_TIME_FORMATS:
+            why = cannot_pack(self.request, k, sizes)
+            return (None, 0, f"--quant {self.request}: {why}") if why else (self.request, INT4_GROUP, "")
+        if ck.kind == "gguf":  # only when its quantized tensors are kept (setup returns None otherwise)
+            types = {ck.gguf_types.get(p + ".weight") for p, _ in parts}
+            kept = {GGUF_TYPES.get(t) for t in types}
+            if len(types) == 1 and None not in kept and self.keep_gguf:
+                fmt = kept.pop()
+                why = cannot_pack(fmt, k, sizes)
+                return (None, 0, why) if why else (fmt, 0, "")
+            other = sorted(t for t in types if t and t not in GGUF_TYPES and t not in GGUF_FLOAT)
+            if other:
+                return None, 0, f"GGUF type {'/'.join(other)} has no quantized kernel: dequantized at load"
+            if len(types) > 1 and self.keep_gguf and not types & set(GGUF_FLOAT):
+                return None, 0, f"fused parts have different GGUF types ({', '.join(sorted(types))}): dequantized"
+            return None, 0, ""
+        packed = [any(f"{p}.{c}" in ck.keys for c in ("qweight", "weight_scale")) for p, _ in parts]
+        if not any(packed):
+            return None, 0, ""
+        if not all(packed):
+            raise CheckpointError(f"{name}: some of its fused parts are quantized in the checkpoint, some are not")
+        if ck.kind == "polyfuse":
+            fmts = {ck.formats.get(p) for p, _ in parts}
+            if len(fmts) != 1 or None in fmts:
+                raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
+            fmt, group = fmts.pop(), int(ck.groups.get(parts[0][0], INT4_GROUP))
+        else:
+            fmt, group = ck.fmt, ck.group_size if ck.group_size > 0 else k
+        if self.request == "none":
+            self.staged[name] = (fmt, group, parts)
+            return None, 0, ""
+        if fmt == "int4" and len(parts) > 1:
+            g_idx = [ck.read(f"{p}.g_idx") for p, _ in parts if f"{p}.g_idx" in ck.keys]
+            if any(not torch.equal(g_idx[0], g) for g in g_idx[1:]):
+                self.staged[name] = (fmt, group, parts)
+                return None, 0, "act-order GPTQ: its fused parts have different g_idx: dequantized at load"
+        return fmt, group, ""
+
+    def apply(self, model) -> None:
+        """Swap the projections that will hold packed weights for QLinear modules (the model is on the meta
+        device: nothing is allocated yet)."""
+        for name, lin in _candidates(model):
+            parts = _parts(model, name, lin.out_features)
+            fmt, group, why = self._module_format(name, lin, parts)
+            if why:
+                self.dense_why.setdefault(why, []).append(name)
+            if fmt is None:
+                continue
+            with torch.device("meta"):
+                q = QLinear(lin.in_features, lin.out_features, fmt, lin.bias is not None, lin.weight.dtype, group,
+                            tuple(s for _, s in parts))  # fmt: skip
+            q.hf_parts = parts
+            _set_module(model, name, q)
+            self.qmodules[name] = q
+            if fmt.startswith("gguf"):
+                self.keep.update(p + ".weight" for p, _ in parts)
+        for why, names in self.dense_why.items():
+            kept = "keep the run's dtype" if "dequantized" not in why else f"load as {_name(self.dtype)}"
+            logger.warning("warning: %s: %s (%d projection(s): %s)", why, kept, len(names), ", ".join(names))
+
+    def bind(self, model) -> None:
+        """After allocation: the modules and parameters the tensors are copied into."""
+        self.qmodules = quantized_modules(model)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.part_of = {}
+        for name, q in self.qmodules.items():
+            start = 0
+            for hf, size in q.hf_parts:
+                self.part_of[(name, start)] = hf
+                start += size
+
+    # -- loading ----------------------------------------------------------------------------------------------
+
+    def place(self, name: str, rows: Optional[slice], tensor) -> Optional[str]:
+        """Copy one checkpoint tensor (already mapped to the model's module ``name`` and output ``rows``) if it
+        belongs to a quantized projection; returns the checkpoint name it satisfies, or None (not ours)."""
+        mod, _, comp = name.rpartition(".")
+        if mod not in self.qmodules and mod not in self.staged:
+            return None
+        if comp == "bias":
+            if mod + ".bias" in self.params:
+                return None  # an ordinary parameter
+            if _resolve(tensor).count_nonzero():
+                raise CheckpointError(f"{name}: a non-zero bias the model's config does not have")
+            return name  # AutoGPTQ writes zero biases for bias-free projections
+        if mod in self.qmodules:
+            return self._place(mod, self.qmodules[mod], rows, comp, tensor)
+        return self._stage(mod, rows, comp, tensor)
+
+    def _place(self, mod: str, q: QLinear, rows, comp: str, tensor) -> Optional[str]:
+        rows = rows or slice(0, q.out_features)
+        hf = self.part_of[(mod, rows.start)]
+        if comp in IGNORED:
+            return f"{hf}.{comp}"
+        t = _resolve(tensor)
+        if comp == "weight" and t.dtype in DENSE:
+            if self.request not in LOAD_TIME_FORMATS:
+                raise CheckpointError(f"{hf}.weight: a float weight where the checkpoint's format is {q.format}")
+            w = t.to(device=q.qweight.device, dtype=torch.float32)
+            for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
+                self._write(mod, q, buf, rows, value, hf)
+            return f"{hf}.weight"
+        buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
+        if buf not in q.spec:
+            raise CheckpointError(f"unexpected weight {hf}.{comp} for a {q.format} projection")
+        self._write(mod, q, buf, rows, t, hf)
+        return f"{hf}.{comp}"
+
+    def _adapt(self, fmt: str, buf: str, value: torch.Tensor, shape: tuple) -> torch.Tensor:
+        if buf != "scales" or tuple(value.shape) == shape:
+            return value
+        if len(shape) == 1 and value.numel() in (1, shape[0]):  # per-tensor or [N, 1] per-channel scales
+            return value.reshape(-1).expand(shape[0])
+        if fmt == "fp8_block" and self.ckpt.block_scales and value.shape[0] == math.ceil(shape[0] / FP8_BLOCK):
+            return value.repeat_interleave(FP8_BLOCK, dim=0)[: shape[0]]  # 128x128 blocks -> 1x128 rows
+        return value
+
+    def _write(self, mod: str, q: QLinear, buf: str, rows: slice, value: torch.Tensor, hf: str) -> None:
+        spec, dst = q.spec[buf], q._buffers[buf]
+        if spec.n_dim is not None:
+            dst = dst.narrow(spec.n_dim, rows.start // spec.n_per, (rows.stop - rows.start) // spec.n_per)
+        value = self._adapt(q.format, buf, value, tuple(dst.shape))
+        if tuple(value.shape) != tuple(dst.shape):
+            raise CheckpointError(f"weight {hf}.{buf} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
+        if buf == "qweight" and value.dtype != dst.dtype:
+            raise CheckpointError(f"weight {hf}.{buf} is {_name(value.dtype)}, {q.format} stores {_name(dst.dtype)}")
+        with self.lock:
+            first = (mod, buf) not in self.filled
+            self.filled.setdefault((mod, buf), set()).add(None if spec.n_dim is None else rows.start)
+        if spec.n_dim is None and not first:
+            if not torch.equal(dst, value.to(dst.device, dst.dtype)):
+                raise CheckpointError(f"{hf}.{buf}: differs between the parts fused into {mod}")
+            return
+        dst.copy_(value)
+
+    def _stage(self, mod: str, rows, comp: str, tensor) -> Optional[str]:
+        """A packed tensor of a projection loaded dense: collected per part, dequantized once the part is whole."""
+        fmt, group, parts = self.staged[mod]
+        rows = rows or slice(0, sum(s for _, s in parts))
+        hf = next(p for (p, _), start in zip(parts, _starts(parts)) if start == rows.start)
+        if comp in IGNORED:
+            return f"{hf}.{comp}"
+        buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
+        n, k = rows.stop - rows.start, self.params[mod + ".weight"].shape[1]
+        spec = components(fmt, n, k, group)
+        if buf not in spec:
+            raise CheckpointError(f"unexpected weight {hf}.{comp} for a {fmt} projection")
+        value = self._adapt(fmt, buf, _resolve(tensor), spec[buf].shape)
+        with self.lock:
+            have = self.pending.setdefault((mod, rows.start), {})
+            have[buf] = value
+            if set(have) != set(spec):
+                return f"{hf}.{comp}"
+            del self.pending[(mod, rows.start)]
+        qw = QuantizedWeight(fmt, (n, k), group_size=group if fmt in ("int4", "fp8_block") else 0, **have)
+        self.params[mod + ".weight"].data[rows].copy_(dequantize(qw, torch.float32))
+        return f"{hf}.weight"
+
+    def finish(self, model) -> None:
+        missing = [f"{hf}.{buf}" for (mod, start), hf in self.part_of.items() for buf, spec in
+                   self.qmodules[mod].spec.items() if (None if spec.n_dim is None else start)
+                   not in self.filled.get((mod, buf), ())]  # fmt: skip
+        missing += [f"{self.part_of.get(key, key[0])}: {sorted(have)}" for key, have in self.pending.items()]
+        if missing:
+            raise CheckpointError(f"checkpoint is missing {len(missing)} quantized tensor(s), e.g. {missing[0]!r}")
+        finalize(model)
+
+
+def _starts(parts) -> list[int]:
+    out, start = [], 0
+    for _, size in parts:
+        out.append(start)
+        start += size
+    return out
+
+
+def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags=None, overrides="", training=False,
+          where: str = "checkpoint") -> Optional[QuantSetup]:  # fmt: skip
+    """The load's QuantSetup, or None when no projection can end up quantized (a float checkpoint, no --quant)."""
+    from polyfuse.core.context import SelectionContext
+
+    if quant in ("", "auto"):
+        quant = None
+    if quant is not None and quant not in CHOICES:
+        raise ValueError(f"--quant {quant!r}: choose one of {', '.join(CHOICES)}")
+    if gguf_file is not None and quant in (None, "none"):
+        ctx = SelectionContext(torch.device(device), dtype, dict(flags or {}), training, overrides)
+        if quant == "none" or not _kernel_takes_quantized(ctx):
+            return None  # every tensor dequantized at load, as without quantization (the file is not read twice)
+        quant = "gguf"
+    ckpt = read_checkpoint(raw, path, gguf_file, where)
+    if quant == "gguf" and ckpt.kind != "gguf":
+        raise ValueError("--quant gguf keeps a GGUF's quantized tensors: the checkpoint is not a GGUF")
+    if quant in LOAD_TIME_FORMATS and ckpt.kind not in ("dense", "gguf"):
+        fmts = {ckpt.fmt} if ckpt.fmt else set(ckpt.formats.values())
+        if fmts != {quant}:
+            raise ValueError(
+                f"--quant {quant}: the checkpoint is already quantized ({ckpt.kind}: {', '.join(sorted(fmts))}); load "
+                "it without --quant (or --quant none to dequantize it)"
+            )
+        quant = None  # already in the requested format: loaded as stored
+    if ckpt.kind == "dense" and quant not in LOAD_TIME_FORMATS:
+        return None
+    return QuantSetup(quant, ckpt, quant == "gguf", device, dtype)
+
+
+def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSetup]:
+    """from_config: random weights quantized in ``quant`` (benchmarks)."""
+    if quant in (None, "", "none", "auto"):
+        return None
+    if quant not in LOAD_TIME_FORMATS:
+        raise ValueError(f"quant={quant!r} for random weights: choose one of {', '.join(LOAD_TIME_FORMATS)}")
+    return QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
+
+
+@torch.no_grad()
+def init_random_(model, generator: torch.Generator, std: float) -> None:
+    """Fill every QLinear with random normal(0, std) weights, quantized part by part (no dense copy of the model)."""
+    for q in quantized_modules(model).values():
+        start = 0
+        for size in q.parts:
+            w = torch.empty(size, q.in_features, device=q.qweight.device).normal_(0.0, std, generator=generator)
+            for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
+                spec, dst = q.spec[buf], q._buffers[buf]
+                if spec.n_dim is not None:
+                    dst = dst.narrow(spec.n_dim, start // spec.n_per, size // spec.n_per)
+                dst.copy_(value)
+            start += size
+    finalize(model)
+
+
+@torch.no_grad()
+def quantize_model_(model, fmt: str) -> None:
+    """Quantize a built float model's projections in place (what ``from_pretrained(quant=fmt)`` does while loading,
+    for a model already in memory): each fused part on its own, shapes the format cannot pack left as they are
+    (one warning naming them)."""
+    if fmt not in LOAD_TIME_FORMATS:
+        raise ValueError(f"quantize_model_: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
+    skipped: dict = {}
+    for name, lin in _candidates(model):
+        parts = _parts(model, name, lin.out_features)
+        why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
+        if why:
+            skipped.setdefault(why, []).append(name)
+            continue
+        w = lin.weight
+        with torch.device(w.device):
+            q = QLinear(lin.in_features, lin.out_features, fmt, lin.bias is not None, w.dtype, INT4_GROUP,
+                        tuple(s for _, s in parts))  # fmt: skip
+        q.hf_parts = parts
+        start = 0
+        for _, size in parts:
+            for buf, value in quantize_components(fmt, w[start : start + size], INT4_GROUP).items():
+                spec, dst = q.spec[buf], q._buffers[buf]
+                if spec.n_dim is not None:
+                    dst = dst.narrow(spec.n_dim, start // spec.n_per, size // spec.n_per)
+                dst.copy_(value)
+            start += size
+        if lin.bias is not None:
+            q.bias.data.copy_(lin.bias)
+        _set_module(model, name, q)
+    for why, names in skipped.items():
+        logger.warning("warning: --quant %s: %s: keep the run's dtype (%d projection(s): %s)", fmt, why, len(names),
+                       ", ".join(names))  # fmt: skip
+    finalize(model)
+
+
+# ---- after loading: flags, summary, save layout -------------------------------------------------------------------
+
+
+def finalize(model) -> None:
+    """Per-module facts read from the loaded data (int4: is g_idx in order?), the model's summary and the
+    ``quantization_config`` a save writes."""
+    qs = quantized_modules(model)
+    for q in qs.values():
+        if q.format == "int4":
+            order = torch.arange(q.in_features, device=q.g_idx.device, dtype=torch.int32) // q.group_size
+            q.act_order = not torch.equal(q.g_idx, order)
+    if qs:
+        model.config.quantization_config = quantization_config(model)
+    elif hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # everything was dequantized at load: a save writes float weights
+
+
+def quantization_config(model) -> dict:
+    """config.json's ``quantization_config`` for the model's packed weights: AutoGPTQ's when every quantized
+    projection is int4 with one group size (the files are then a GPTQ checkpoint), else polyfuse's."""
+    qs = quantized_modules(model)
+    fmts = {q.format for q in qs.values()}
+    groups = {q.group_size for q in qs.values()}
+    if fmts == {"int4"} and len(groups) == 1:
+        return {
+            "quant_method": "gptq", "bits": 4, "group_size": groups.pop(), "sym": False, "checkpoint_format": "gptq",
+            "desc_act": any(q.act_order for q in qs.values()), "lm_head": False,
+        }  # fmt: skip
+    formats, group_sizes = {}, {}
+    for q in qs.values():
+        for hf, _ in q.hf_parts:
+            formats[hf] = q.format
+            if q.format == "int4":
+                group_sizes[hf] = q.group_size
+    return {"quant_method": "polyfuse", "version": 1, "formats": formats, "group_sizes": group_sizes}
+
+
+def quantized_state_items(model):
+    """(checkpoint name, tensor view) of every packed buffer, split back into the checkpoint's modules (what
+    ``save_pretrained`` writes beside the float weights; ``hf_state_items`` has the biases)."""
+    for q in quantized_modules(model).values():
+        start = 0
+        for hf, size in q.hf_parts:
+            for buf, spec in q.spec.items():
+                t = q._buffers[buf]
+                if spec.n_dim is not None:
+                    t = t.narrow(spec.n_dim, start // spec.n_per, size // spec.n_per)
+                elif len(q.hf_parts) > 1:
+                    t = t.clone()  # g_idx: one copy per part (a file holds no shared storage)
+                yield f"{hf}.{buf}", t
+            start += size
+
+
+def report(model) -> str:
+    """What ``--print_backends`` adds for a quantized model: the formats, what kept its dtype, the kernels."""
+    qs = quantized_modules(model)
+    if not qs:
+        return ""
+    counts: dict = {}
+    for q in qs.values():
+        key = describe(q.format, q.group_size) + (" (act-order)" if q.act_order else "")
+        counts[key] = counts.get(key, 0) + 1
+    dense, dtype = len(_candidates(model)), _name(model.dtype)
+    lines = [f"quantized weights: {len(qs)} projection(s); {dense} other projection(s) and the LM head in {dtype}"]
+    lines += [f"  {fmt}: {n}" for fmt, n in counts.items()]
+    kernels = getattr(model, "kernels", None)
+    if kernels is not None:
+        from polyfuse.core.registry import NATIVE, ops
+
+        for op in ("linear_q", "swiglu_linear_q"):
+            c, spec = kernels.choices[op], ops()[op]
+            last = "composite " + " + ".join(spec.composed_of) if spec.compose else "native (dequantize + F.linear)"
+            chain = [f"{i.backend}:{i.name}" for i in (c.implementation, *c.then) if i.name != NATIVE] + [last]
+            lines.append(f"  {op}: {' -> '.join(chain)}")
+    return "\n".join(lines)
+
+
+def warn_unaccelerated(model) -> None:
+    """fp8 weights where no fp8 matmul runs: say once what runs instead."""
+    fmts = {q.format for q in quantized_modules(model).values()}
+    if not fmts & {"fp8", "fp8_block"}:
+        return
+    platform = model.kernels.context.platform
+    cap = tuple(platform.capability or ())
+    if platform.name == "cuda" and cap >= (8, 9) and model.dtype == torch.bfloat16 and "fp8" in fmts:
+        return
+    if platform.name != "cuda":
+        where = f"{platform.name}: no fp8 matmul here"
+    elif cap < (8, 9):
+        where = f"{platform.device_name} (compute capability {'.'.join(map(str, cap))}): no fp8 tensor cores"
+    elif model.dtype != torch.bfloat16:
+        where = f"{_name(model.dtype)} run: the fp8 matmul (row-wise torch._scaled_mm) needs bfloat16"
+    else:
+        where = "fp8_block weights: no block-scaled fp8 matmul yet"
+    c = model.kernels.choices["linear_q"]
+    impl = c.implementation
+    runs = (
+        "every call dequantizes them"
+        if impl.name == "native"
+        else (f"one-row decode runs {impl.backend}:{impl.name}, other calls dequantize them")
+    )
+    logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)

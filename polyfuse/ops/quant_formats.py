@@ -1,0 +1,296 @@
+"""Quantized weight formats: the data the ``linear_q`` / ``swiglu_linear_q`` ops take (polyfuse/ops/quant_linear.py).
+
+A :class:`QuantizedWeight` is one projection's weight [N out, K in] in a packed form, with the scales (and zeros)
+that turn it back into numbers. Every format is row-local: output row ``n`` depends only on its own packed data and
+scales, so the load-time fusions (q/k/v, gate/up) concatenate parts along N and saving splits them back.
+
+=============  =========================================================================================================
+format         components (module buffer: dtype [shape]) and value of weight [n, k]
+=============  =========================================================================================================
+``int8``       qweight: int8 [N, K]; scales: float32 [N].  w = qweight[n, k] * scales[n]  (symmetric, per channel)
+``int4``       AutoGPTQ's layout (``checkpoint_format: gptq``), asymmetric, groups of ``group_size`` (128) along K:
+               qweight: int32 [K/8, N], weight k of word [k // 8, n] in bits 4 (k % 8) .. 4 (k % 8) + 3;
+               qzeros: int32 [G, N/8], zero of column n in bits 4 (n % 8).. of word [g, n // 8], stored minus one
+               (AutoGPTQ's convention); scales: float16 [G, N]; g_idx: int32 [K], the group of each k (k // group_size,
+               or a permutation's groups for act-order checkpoints). G = ceil(K / group_size): a last partial group
+               is allowed, as in AutoGPTQ's layout.  w = (q[k, n] - (qzeros[g, n] + 1)) * scales[g, n], g = g_idx[k]
+``fp8``        qweight: float8_e4m3fn [N, K]; scales: float32 [N].  w = qweight[n, k] * scales[n]  (per channel)
+``fp8_block``  qweight: float8_e4m3fn [N, K]; scales: float32 [N, ceil(K / 128)]: one scale per 128 consecutive
+               weights of a row (1 x 128 blocks; compressed-tensors' "group" strategy). A checkpoint's 128 x 128 block
+               scales load into it exactly (each block scale repeated over its 128 rows).
+``gguf_q8_0``  qweight: uint8 [N, K / 32 * 34]: llama.cpp's blocks of 32, kept as the file has them: fp16 d, 32 int8.
+``gguf_q4_0``  qweight: uint8 [N, K / 32 * 18]: fp16 d, 16 bytes of nibbles (byte j: weight j low, j + 16 high);
+               w = d * (q - 8)
+``gguf_q4_1``  qweight: uint8 [N, K / 32 * 20]: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+=============  =========================================================================================================
+
+``dequantize`` (any device, torch only) is the reference every kernel is tested against; ``quantize`` makes the
+formats from a float weight (round to nearest; GGUF types through the ``gguf`` package, for tests).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128
+INT4_GROUP = 128
+GGUF_BLOCK = 32
+# GGUF kept types: bytes per block of 32 weights, and the ggml type name.
+GGUF_BYTES = {"gguf_q8_0": 34, "gguf_q4_0": 18, "gguf_q4_1": 20}
+GGUF_TYPES = {"Q8_0": "gguf_q8_0", "Q4_0": "gguf_q4_0", "Q4_1": "gguf_q4_1"}
+
+DESCRIPTIONS = {
+    "int8": "int8 weight-only, per-channel scales",
+    "int4": "int4 weight-only, AutoGPTQ layout, asymmetric, group {group}",
+    "fp8": "fp8 e4m3 weights, per-channel scales",
+    "fp8_block": "fp8 e4m3 weights, one scale per 1x128 block",
+    "gguf_q8_0": "GGUF Q8_0 blocks as stored (32 int8 + fp16 scale)",
+    "gguf_q4_0": "GGUF Q4_0 blocks as stored (32 x 4 bit + fp16 scale)",
+    "gguf_q4_1": "GGUF Q4_1 blocks as stored (32 x 4 bit + fp16 scale and min)",
+}
+FORMATS = tuple(DESCRIPTIONS)
+# Formats ``quantize`` makes from a float checkpoint at load time (``--quant``).
+LOAD_TIME_FORMATS = ("int8", "int4", "fp8", "fp8_block")
+
+
+@dataclass(frozen=True)
+class Component:
+    shape: tuple
+    dtype: torch.dtype
+    n_dim: Optional[int]  # the dim indexing output rows (None: shared by all rows, e.g. g_idx)
+    n_per: int = 1  # output rows per index along n_dim (8 for int4's packed zeros)
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One projection's packed weight, as the ``linear_q`` ops take it. Tensors are the owning module's buffers."""
+
+    format: str
+    shape: tuple  # (N, K): out_features, in_features
+    qweight: torch.Tensor
+    scales: Optional[torch.Tensor] = None
+    qzeros: Optional[torch.Tensor] = None
+    g_idx: Optional[torch.Tensor] = None
+    group_size: int = 0  # int4: weights per group along K; fp8_block: 128
+    act_order: bool = False  # int4: g_idx is not k // group_size (an act-order GPTQ checkpoint)
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+
+def describe(fmt: str, group_size: int = INT4_GROUP) -> str:
+    return DESCRIPTIONS[fmt].format(group=group_size)
+
+
+def components(fmt: str, n: int, k: int, group_size: int = INT4_GROUP) -> dict[str, Component]:
+    """The buffers of ``fmt`` for a [n, k] weight (shapes for a model's meta-built modules and for checks)."""
+    if fmt in ("int8", "fp8"):
+        return {"qweight": Component((n, k), torch.int8 if fmt == "int8" else FP8, 0),
+                "scales": Component((n,), torch.float32, 0)}  # fmt: skip
+    if fmt == "fp8_block":
+        return {
+            "qweight": Component((n, k), FP8, 0),
+            "scales": Component((n, math.ceil(k / FP8_BLOCK)), torch.float32, 0),
+        }
+    if fmt == "int4":
+        g = math.ceil(k / group_size)
+        return {
+            "qweight": Component((k // 8, n), torch.int32, 1),
+            "qzeros": Component((g, n // 8), torch.int32, 1, 8),
+            "scales": Component((g, n), torch.float16, 1),
+            "g_idx": Component((k,), torch.int32, None),
+        }
+    if fmt in GGUF_BYTES:
+        return {"qweight": Component((n, k // GGUF_BLOCK * GGUF_BYTES[fmt]), torch.uint8, 0)}
+    raise ValueError(f"unknown quantized format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def cannot_pack(fmt: str, k: int, row_parts: tuple) -> Optional[str]:
+    """Why ``fmt`` cannot hold a [sum(row_parts), k] weight whose rows are the fused parts ``row_parts``, or None."""
+    if fmt == "int4":
+        if k % 8 or any(p % 8 for p in row_parts):
+            return "int4 packs 8 weights per int32: in_features and every fused part's out_features must be multiples of 8"
+    elif fmt in GGUF_BYTES:
+        if k % GGUF_BLOCK:
+            return "GGUF blocks hold 32 weights: in_features must be a multiple of 32"
+    elif fmt not in DESCRIPTIONS:
+        return f"unknown quantized format {fmt!r}"
+    return None
+
+
+# ---- dequantization: the reference ------------------------------------------------------------------------------
+
+
+def _unpack_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., M] -> int32 [..., M * 8]: nibble i of word m at position 8 m + i (low bits first)."""
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    return ((words[..., None] >> shifts) & 15).flatten(-2)
+
+
+def unpack_int4(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [K, N], zeros [G, N]) as int32 from AutoGPTQ's qweight / qzeros (zeros with the stored minus one undone)."""
+    q = _unpack_nibbles(qw.qweight.t()).t()  # [K/8, N] -> [N, K] -> [K, N]
+    zeros = _unpack_nibbles(qw.qzeros) + 1
+    return q, zeros
+
+
+def _fp16_at(raw: torch.Tensor, byte: int) -> torch.Tensor:
+    """float32 [N, blocks] from the fp16 at ``byte`` of every GGUF block of raw [N, blocks, bytes]."""
+    return raw[..., byte : byte + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _gguf_dequantize(fmt: str, data: torch.Tensor, k: int) -> torch.Tensor:
+    n = data.shape[0]
+    raw = data.view(n, k // GGUF_BLOCK, GGUF_BYTES[fmt])
+    d = _fp16_at(raw, 0)[..., None]
+    if fmt == "gguf_q8_0":
+        q = raw[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(n, k)
+    qs = raw[..., 4:] if fmt == "gguf_q4_1" else raw[..., 2:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # byte j: weight j (low nibble), weight j + 16 (high)
+    if fmt == "gguf_q4_0":
+        return ((q - 8.0) * d).reshape(n, k)
+    return (q * d + _fp16_at(raw, 2)[..., None]).reshape(n, k)
+
+
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The [N, K] weight in ``dtype``: computed in float32, rounded once."""
+    n, k = qw.shape
+    fmt = qw.format
+    if fmt in ("int8", "fp8"):
+        w = qw.qweight.float() * qw.scales.float()[:, None]
+    elif fmt == "fp8_block":
+        w = qw.qweight.float() * qw.scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
+    elif fmt == "int4":
+        q, zeros = unpack_int4(qw)
+        g = qw.g_idx.long()
+        w = ((q - zeros[g]).float() * qw.scales.float()[g]).t()
+    elif fmt in GGUF_BYTES:
+        w = _gguf_dequantize(fmt, qw.qweight, k)
+    else:
+        raise ValueError(f"unknown quantized format {fmt!r}")
+    return w.to(dtype)
+
+
+# ---- quantization (load time: --quant; tests) ---------------------------------------------------------------------
+
+
+def pack_int4(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's packing: q [K, N] (0..15) -> qweight int32 [K/8, N]; zeros [G, N] (1..16) -> qzeros int32 [G, N/8]
+    holding zeros minus one."""
+
+    shifts = torch.arange(0, 32, 4, device=q.device, dtype=torch.int64)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # [..., M] -> int32 [..., M/8], element 8 m + i at bits 4 i
+        words = (t.to(torch.int64).reshape(*t.shape[:-1], -1, 8) << shifts).sum(-1)  # disjoint bits: sum == or
+        return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)  # as int32 bit patterns
+
+    return pack(q.t()).t().contiguous(), pack((zeros - 1) & 15).contiguous()
+
+
+def _quantize_int4(w: torch.Tensor, group_size: int) -> dict:
+    """Round-to-nearest asymmetric int4 per group of ``group_size`` along K, the range always holding 0 (GPTQ's
+    convention); a last partial group is quantized over its own weights."""
+    n, k = w.shape
+    g = math.ceil(k / group_size)
+    padded = torch.nn.functional.pad(w, (0, g * group_size - k))  # zeros: inside every range anyway
+    groups = padded.view(n, g, group_size)
+    wmin = groups.amin(-1).clamp(max=0.0)
+    wmax = groups.amax(-1).clamp(min=0.0)
+    scale = (wmax - wmin) / 15.0
+    empty = scale == 0
+    scale = torch.where(empty, torch.ones_like(scale), scale)
+    zero = torch.round(-wmin / scale)
+    # AutoGPTQ stores zero - 1 in 4 bits: a zero of 0 cannot be stored. Such a group (all weights >= 0) gets zero 1
+    # and a scale that maps its maximum to 15.
+    low = zero < 1
+    scale = torch.where(low & ~empty, wmax / 14.0, scale)
+    zero = torch.where(low, torch.ones_like(zero), zero).clamp(max=15)
+    scale16 = scale.half()
+    q = torch.clamp(torch.round(groups / scale16.float()[..., None]) + zero[..., None], 0, 15)
+    q = q.view(n, g * group_size)[:, :k].to(torch.int32)
+    qweight, qzeros = pack_int4(q.t(), zero.t().to(torch.int32))
+    g_idx = torch.arange(k, dtype=torch.int32, device=w.device) // group_size
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale16.t().contiguous(), "g_idx": g_idx}
+
+
+# Fractions of a row's largest magnitude tried as the int8 clipping range (the one with the least squared error wins).
+INT8_CLIPS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.82, 0.8)
+
+
+def _quantize_int8(w: torch.Tensor) -> dict:
+    """Symmetric int8 per output channel, round to nearest; each row's range is the clipping of its largest
+    magnitude (INT8_CLIPS) with the least squared error (a few outliers rounded coarsely, the rest finer)."""
+    amax = w.abs().amax(-1)
+    best_err = torch.full_like(amax, float("inf"))
+    best_scale = amax.clone()
+    t = torch.empty_like(w)
+    for c in INT8_CLIPS:
+        scale = (amax * c / 127.0).clamp(min=1e-12)[:, None]
+        torch.div(w, scale, out=t)
+        err = t.round_().clamp_(-127, 127).mul_(scale).sub_(w).square_().sum(-1)
+        better = err < best_err  # ties keep the larger range
+        best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale[:, 0], best_scale)
+    q = torch.clamp(torch.round(w / best_scale[:, None]), -127, 127).to(torch.int8)
+    return {"qweight": q, "scales": best_scale}
+
+
+# Rows quantized at a time (about this many weights): on the CPU a chunk's temporaries stay in cache (int8's clipping
+# search makes ten passes over them); on a GPU one chunk is a whole projection of an 8B model.
+CHUNK_WEIGHTS = {"cpu": 1 << 18}
+DEFAULT_CHUNK_WEIGHTS = 1 << 28
+
+
+def quantize_components(fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP) -> dict[str, torch.Tensor]:
+    """{buffer name: tensor} of ``fmt`` for the float weight w [N, K] (round to nearest), a chunk of rows at a time
+    (every format is row-local; chunks of a multiple of 8 rows keep int4's packed zeros whole)."""
+    n, k = w.shape
+    rows = max(8, CHUNK_WEIGHTS.get(w.device.type, DEFAULT_CHUNK_WEIGHTS) // max(k, 1) // 8 * 8)
+    if fmt in GGUF_BYTES or n <= rows:
+        return _quantize_rows(fmt, w.float(), group_size)
+    chunks = [_quantize_rows(fmt, w[r : r + rows].float(), group_size) for r in range(0, n, rows)]
+    out = {}
+    for name, c in components(fmt, n, k, group_size).items():
+        parts = [ch[name] for ch in chunks]
+        out[name] = parts[0] if c.n_dim is None else torch.cat(parts, dim=c.n_dim)
+    return out
+
+
+def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    if fmt == "int8":
+        return _quantize_int8(w)
+    if fmt == "fp8":
+        scale = (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        return {"qweight": (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), "scales": scale}
+    if fmt == "fp8_block":
+        nb = math.ceil(k / FP8_BLOCK)
+        blocks = torch.nn.functional.pad(w, (0, nb * FP8_BLOCK - k)).view(n, nb, FP8_BLOCK)
+        scale = (blocks.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(n, -1)[:, :k].to(FP8)
+        return {"qweight": q.contiguous(), "scales": scale}
+    if fmt == "int4":
+        return _quantize_int4(w, group_size)
+    if fmt in GGUF_BYTES:
+        import gguf.quants
+
+        ggml = {v: k_ for k_, v in GGUF_TYPES.items()}[fmt]
+        raw = gguf.quants.quantize(w.cpu().numpy(), gguf.GGMLQuantizationType[ggml])
+        return {"qweight": torch.from_numpy(raw.copy()).to(w.device)}
+    raise ValueError(f"unknown quantized format {fmt!r}")
+
+
+def quantize(fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:
+    """A standalone QuantizedWeight of the float weight w [N, K] (tests, benchmarks)."""
+    if fmt == "fp8_block":
+        group_size = FP8_BLOCK
+    parts = quantize_components(fmt, w, group_size)
+    return QuantizedWeight(fmt, tuple(w.shape), group_size=group_size if fmt in ("int4", "fp8_block") else 0, **parts)

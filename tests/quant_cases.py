@@ -1,0 +1,76 @@
+"""Conformance cases for the ops on quantized weights (``linear_q``, ``swiglu_linear_q``), used by
+tests/test_kernels_conformance.py (CASES) and tests/test_quantization.py.
+
+Every format, K not a multiple of the kernels' tiles (a partial int4 group and fp8 block), N not a multiple of their
+row blocks, x a strided view as the model passes it; one row (the GEMV) and several rows (declined to the next
+choice); int4 also with an act-order g_idx; fp8 with N a multiple of 16 so ``torch._scaled_mm`` takes bf16 inputs.
+"""
+
+import dataclasses
+
+import torch
+
+from polyfuse.ops.quant_formats import FORMATS, quantize
+
+
+def act_order(qw):
+    """An int4 weight as an act-order GPTQ checkpoint holds it: the same values, g_idx a permutation's groups (the
+    weights' K order shuffled into groups; here the dequantized weight changes, which is fine for conformance)."""
+    k = qw.shape[1]
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+    return dataclasses.replace(qw, g_idx=qw.g_idx[perm].contiguous(), act_order=True)
+
+
+def quantized(fmt: str, n: int, k: int, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + n + k)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    qw = quantize(fmt.replace("_act", ""), w)
+    if fmt == "int4_act":
+        qw = act_order(qw)
+    moved = {
+        f.name: getattr(qw, f.name) for f in dataclasses.fields(qw) if isinstance(getattr(qw, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(qw, **{name: t.to(device) for name, t in moved.items()})
+
+
+CASE_FORMATS = (*FORMATS, "int4_act")
+
+
+def _shapes(big):
+    # (leading dims of x, K, N)
+    if big:
+        return [((1, 1), 4096, 4096), ((1, 1), 14336, 4096), ((4, 7), 4096, 1024)]
+    return [((1, 1), 288, 40), ((3, 2), 96, 24)]
+
+
+def cases_linear_q(device, dtype, big):
+    out = []
+    for fmt in CASE_FORMATS:
+        for lead, k, n in _shapes(big):
+            if fmt == "fp8":
+                n = 48 if not big else n  # a multiple of 16: scaled_mm takes it
+            gen = torch.Generator().manual_seed(k + n)
+            x0 = (torch.randn(*lead, k + 8, generator=gen)).to(dtype).to(device)
+            qw = quantized(fmt, n, k, device)
+            bias = (torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) if lead == (1, 1) else None
+
+            def make(x0=x0, qw=qw, bias=bias, k=k):
+                return (x0[..., :k], qw, bias), {}, []
+
+            out.append((f"{fmt}-x{lead}K{k}N{n}{'-bias' if bias is not None else ''}", make))
+    return out
+
+
+def cases_swiglu_linear_q(device, dtype, big):
+    out = []
+    for fmt in CASE_FORMATS:
+        for lead, i, n in _shapes(big):
+            gen = torch.Generator().manual_seed(i + n + 1)
+            gu0 = (torch.randn(*lead, 2 * i, generator=gen) * 2).to(dtype).to(device)
+            qw = quantized(fmt, n, i, device, seed=1)
+
+            def make(gu0=gu0, qw=qw, i=i):
+                return (gu0[..., :i], gu0[..., i:], qw), {}, []
+
+            out.append((f"{fmt}-x{lead}I{i}N{n}", make))
+    return out
