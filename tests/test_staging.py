@@ -83,3 +83,27 @@ def test_device_stager_matches_the_host_tensors(ckpt):
     reader.close()
     for n, t in tensors.items():
         assert torch.equal(out[n].cpu(), t), n
+
+
+def test_loader_reports_progress_for_every_byte(tmp_path):
+    """The loading bar's hook: called as each tensor is copied, adding up to the model's parameter bytes."""
+    import threading
+
+    import transformers
+
+    from polyfuse.models import AutoModelForCausalLM, LlamaForCausalLM
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    LlamaForCausalLM.from_config(cfg, seed=1).save_pretrained(str(tmp_path))
+    seen, lock = [], threading.Lock()
+
+    def progress(nbytes, total):
+        with lock:
+            seen.append((nbytes, total))
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), progress=progress)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert seen and {t for _, t in seen} == {total} and sum(n for n, _ in seen) == total

@@ -94,9 +94,10 @@ def set_kernels(model, flags: dict, overrides: str = "", training: bool = False)
     return model.kernels
 
 
-def load_weights(model, tensors, workers: int = 1, quant=None) -> None:
+def load_weights(model, tensors, workers: int = 1, quant=None, progress=None) -> None:
     """Copy (HF name, tensor) pairs into the model's parameters. A tensor may be a zero-argument callable that reads
-    it: with ``workers`` > 1 the reads and the host-to-device copies of different tensors then overlap."""
+    it: with ``workers`` > 1 the reads and the host-to-device copies of different tensors then overlap.
+    ``progress(nbytes, total_bytes)`` is called (from any loader thread) as each parameter tensor is copied."""
     params = dict(model.named_parameters(remove_duplicate=False))
     fused = model.fused_projections()
     shards, rank = tp_shards(model)  # tensor parallelism: what this rank reads of each tensor (engine/shards.py)
@@ -123,8 +124,11 @@ def load_weights(model, tensors, workers: int = 1, quant=None) -> None:
         dst = param.data if rows is None else param.data[rows]
         if not (shards and copy_shard(dst, tensor, shards, hf_name, rank)):
             copy_weight(dst, tensor, hf_name, files, stager)
+        if progress is not None:
+            progress(dst.numel() * dst.element_size(), total_bytes)
         return hf_name
 
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # GPU loads read each tensor into a pinned buffer and copy it without blocking (staging.py).
     files = SpanReader()
     stager = DeviceStager(model.device, files) if model.device.type == "cuda" else None
@@ -241,8 +245,9 @@ def from_pretrained(
     training: bool = False,
     tp=None,
     quant: Optional[str] = None,
+    progress=None,
 ):
-    """``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
+    """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
     Q8_0/Q4_0/Q4_1 tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
     GGUF's tensors stay quantized where a kernel takes them (engine/quantize.py)."""
     t0 = time.perf_counter()
@@ -259,7 +264,9 @@ def from_pretrained(
     try:
         model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
         with torch.no_grad():
-            load_weights(model, tensors(config, qsetup.keep if qsetup else ()), workers=workers, quant=qsetup)
+            load_weights(
+                model, tensors(config, qsetup.keep if qsetup else ()), workers=workers, quant=qsetup, progress=progress
+            )
         error = None
     except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; CUDA OOM a RuntimeError
         if not tp.active:

@@ -213,8 +213,10 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None):  # fmt: skip
-        return loading.from_pretrained(cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant)
+                        training=False, quant=None, progress=None):  # fmt: skip
+        return loading.from_pretrained(
+            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress
+        )
 
     @classmethod
     def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
