@@ -168,3 +168,65 @@ def cpu_scaled_mm_missing():
     except (NotImplementedError, RuntimeError, AttributeError, TypeError) as e:
         return f"torch {torch.__version__} has no CPU torch._scaled_mm ({type(e).__name__})"
     return None
+
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph as polyfuse's GraphedStep uses it, on the CPU: under capture a :class:`Recorded` step
+    records itself here; ``replay()`` runs the recorded calls again (a graph's output is one static buffer)."""
+
+    capturing = None
+
+    def __init__(self):
+        self.calls = []
+
+    def replay(self):
+        for fn, args, out in self.calls:
+            res = fn(*args)
+            if out is not None:
+                out.copy_(res)
+
+
+class Recorded:
+    """A step as a graph sees it. Under capture an in-place step is only recorded; a step with an output runs once
+    to make its static output. Outside capture it runs (warm-up), counted in ``runs``."""
+
+    def __init__(self, fn, inplace=True):
+        self.fn, self.inplace, self.runs = fn, inplace, 0
+
+    def __call__(self, *args):
+        if FakeGraph.capturing is not None:
+            out = None if self.inplace else self.fn(*args).clone()
+            FakeGraph.capturing.calls.append((self.fn, args, out))
+            return out
+        self.runs += 1
+        return self.fn(*args)
+
+
+def fake_cuda_graphs(monkeypatch):
+    """torch.cuda's stream and graph API replaced by :class:`FakeGraph` for the test (CUDA graph logic on the CPU)."""
+    import contextlib
+
+    import torch
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None):
+        FakeGraph.capturing = graph
+        try:
+            yield
+        finally:
+            FakeGraph.capturing = None
+
+    for name, value in {
+        "Stream": Stream,
+        "current_stream": lambda *a: Stream(),
+        "stream": lambda s: contextlib.nullcontext(),
+        "graph_pool_handle": lambda: object(),
+        "CUDAGraph": FakeGraph,
+        "graph": capture,
+        "synchronize": lambda *a: None,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)

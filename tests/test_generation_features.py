@@ -3,13 +3,14 @@ ids, streaming. Each is compared token for token with transformers' ``generate``
 random Llama saved by polyfuse and loaded by transformers), through every decoding path: the in-place greedy
 TokenStep, the per-token loop, no cache, KV buckets, and the steps wrapped in (faked) CUDA graphs."""
 
-import contextlib
 import os
 
 import pytest
 import torch
 from helpers import (
     EOS,
+    Recorded,
+    fake_cuda_graphs,
     hf_from_pretrained,
     left_padded,
     one_thread,  # noqa: F401  (autouse fixture)
@@ -73,67 +74,17 @@ def per_token_loop(model, *args, **kw):
 # -- faked CUDA graphs: GraphedStep around the decode and token steps, torch.cuda's graph API faked on the CPU -----
 
 
-class _FakeGraph:
-    capturing = None
-
-    def __init__(self):
-        self.calls = []
-
-    def replay(self):
-        for fn, args, out in self.calls:
-            res = fn(*args)
-            if out is not None:
-                out.copy_(res)  # a graph's output is one static buffer, overwritten by every replay
-
-
-class _Recorded:
-    """The step as a graph sees it. Under capture the in-place token step is only recorded; the decode step runs once
-    to make its static output (it only writes the cache at its own positions, which each replay writes again)."""
-
-    def __init__(self, fn, inplace):
-        self.fn, self.inplace, self.runs = fn, inplace, 0
-
-    def __call__(self, *args):
-        if _FakeGraph.capturing is not None:
-            out = None if self.inplace else self.fn(*args).clone()
-            _FakeGraph.capturing.calls.append((self.fn, args, out))
-            return out
-        self.runs += 1
-        return self.fn(*args)
-
-
 @pytest.fixture
 def graphs(pair, monkeypatch):
     """The model's runtime wraps its steps as the CUDA runtime does under --use_cuda_graphs; returns the steps."""
 
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        _FakeGraph.capturing = graph
-        try:
-            yield
-        finally:
-            _FakeGraph.capturing = None
-
-    for name, value in {
-        "Stream": Stream,
-        "current_stream": lambda *a: Stream(),
-        "stream": lambda s: contextlib.nullcontext(),
-        "graph_pool_handle": lambda: object(),
-        "CUDAGraph": _FakeGraph,
-        "graph": capture,
-        "synchronize": lambda *a: None,
-    }.items():
-        monkeypatch.setattr(torch.cuda, name, value)
+    fake_cuda_graphs(monkeypatch)
     made = {}
 
     def graph_module(module, phase, flags):
         if phase == "prefill":
             return Step(module)
-        made[phase] = GraphedStep(_Recorded(module, phase == "token"), inplace=phase == "token")
+        made[phase] = GraphedStep(Recorded(module, phase == "token"), inplace=phase == "token")
         return made[phase]
 
     monkeypatch.setattr(pair[0].runtime, "graph_module", graph_module)

@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 import transformers
+from helpers import Recorded, fake_cuda_graphs
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
@@ -137,53 +138,9 @@ def test_state_and_graph_key_reused_across_calls(model):
 # -- GraphedStep(inplace=True) with a fake torch.cuda graph API --------------------------------------------------
 
 
-class _FakeGraph:
-    capturing = None  # the graph under capture: the step records itself there instead of running
-
-    def __init__(self):
-        self.calls = []
-
-    def replay(self):
-        for fn, args in self.calls:
-            fn(*args)
-
-
-class _Recorded:
-    """The step as a graph sees it: under capture it is recorded (nothing runs), otherwise it runs (warm-up)."""
-
-    def __init__(self, fn):
-        self.fn, self.runs = fn, 0
-
-    def __call__(self, *args):
-        if _FakeGraph.capturing is not None:
-            _FakeGraph.capturing.calls.append((self.fn, args))
-            return None
-        self.runs += 1
-        return self.fn(*args)
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    class Stream:
-        def wait_stream(self, other):
-            pass
-
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        _FakeGraph.capturing = graph
-        try:
-            yield
-        finally:
-            _FakeGraph.capturing = None
-
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", capture)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    return capture
+    fake_cuda_graphs(monkeypatch)
 
 
 def _graph_token_steps(model, monkeypatch):
@@ -193,7 +150,7 @@ def _graph_token_steps(model, monkeypatch):
     def graph_module(module, phase, flags):
         if phase != "token":
             return Step(module)
-        made.append(GraphedStep(_Recorded(module), inplace=True))
+        made.append(GraphedStep(Recorded(module), inplace=True))
         return made[-1]
 
     monkeypatch.setattr(model.runtime, "graph_module", graph_module)
