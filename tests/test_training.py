@@ -270,26 +270,39 @@ def test_trainer_trains_polyfuse_llama_like_transformers(tmp_path):
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
-    """polyfuse's Llama supports transformers' gradient_checkpointing API with identical loss and gradients."""
+    """polyfuse's Llama supports transformers' gradient_checkpointing API with identical loss and gradients, and a
+    checkpointed block keeps one [B, L, H] tensor (its input), not the (pending, residual) pair (issue 13: the pair
+    doubled the checkpoints' memory against transformers + Liger)."""
     from polyfuse.models.llama import LlamaForCausalLM as PfLlama
 
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 24))
-    grads = []
+    grads, saved_hidden = [], []
     for ckpt in (False, True):
         model = PfLlama.from_config(tiny_llama().config, seed=7, training=True)
         if ckpt:
             model.gradient_checkpointing_enable()
         model.train()
-        calls = []
+        calls, hidden_shaped = [], []
         for layer in model.model.layers:
-            layer.register_forward_pre_hook(lambda *a: calls.append(1))
-        loss = model(ids, labels=ids).loss
+            layer.self_attn.register_forward_pre_hook(lambda *a: calls.append(1))
+
+        def pack(t, shape=(2, 24, model.config.hidden_size)):
+            if tuple(t.shape) == shape:
+                hidden_shaped.append(t.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, labels=ids).loss
         loss.backward()
         n_layers = len(model.model.layers)
-        # With checkpointing every block but the first (whose input is the embedding) runs again in the backward.
-        assert len(calls) == (2 * n_layers - 1 if ckpt else n_layers)
+        # With checkpointing every block runs again in the backward.
+        assert len(calls) == (2 * n_layers if ckpt else n_layers)
         grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        saved_hidden.append(len(set(hidden_shaped)))
+    # Outside the checkpoints only each block's input stays (+ the final norm's input and output).
+    assert saved_hidden[1] <= n_layers + 2, saved_hidden
+    assert saved_hidden[1] < saved_hidden[0]
     assert torch.equal(grads[0][0], grads[1][0])
     assert grads[0][1].keys() == grads[1][1].keys()
     for name, g in grads[0][1].items():

@@ -149,8 +149,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, pending, residual, f: Forward):
-        """``pending`` is the previous block's output not yet added to ``residual`` (None before layer 0)."""
+    def forward(self, pending, residual, f: Forward, stream: bool = False):
+        """``pending`` is the previous block's output not yet added to ``residual`` (None before layer 0); returns the
+        pair for the next layer. ``stream=True``: ``pending`` is the whole residual stream and the next one is returned
+        (``block``), the activation-checkpointing form. Both go through the module's call, so hooks on the layer
+        (FSDP2's unshard/reshard) run either way."""
+        if stream:
+            return self.block(pending, f)
         norm = self.input_layernorm
         if residual is None:
             h, residual = f.ops.rms_norm(pending, norm.weight, norm.eps), pending
@@ -160,6 +165,16 @@ class DecoderLayer(nn.Module):
         norm = self.post_attention_layernorm
         h, residual = f.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, f), residual
+
+    def block(self, x, f: Forward):
+        """The same layer on the whole residual stream ``x`` (returns the next one): the activation-checkpointing
+        form, so each checkpoint keeps one [B, L, H] tensor instead of the (pending, residual) pair of ``forward``
+        (the pair halves the adds but doubles what a checkpointed model keeps per layer)."""
+        norm = self.input_layernorm
+        h = self.self_attn(f.ops.rms_norm(x, norm.weight, norm.eps), f)
+        norm = self.post_attention_layernorm
+        h, residual = f.ops.add_rms_norm(h, x, norm.weight, norm.eps)
+        return residual + self.mlp(h, f)
 
 
 class DecoderModel(nn.Module):
@@ -315,15 +330,17 @@ class DecoderForCausalLM(nn.Module):
         f.cos, f.sin = m.rotary_emb(position_ids)
         hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
         pending, residual = m.embed_tokens(input_ids), None
-        checkpointing = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            # Activation checkpointing: keep each block's input (the residual stream), recompute its insides in the
+            # backward.
+            x = pending
+            for layer in m.layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, None, f, stream=True, use_reentrant=False)
+            return f.ops.rms_norm(x, m.norm.weight, m.norm.eps)
         for layer in m.layers:
             if hook is not None:
                 hook()
-            if checkpointing and residual is not None:
-                # Activation checkpointing: keep each block's inputs, recompute its insides in the backward.
-                pending, residual = torch.utils.checkpoint.checkpoint(layer, pending, residual, f, use_reentrant=False)
-            else:
-                pending, residual = layer(pending, residual, f)
+            pending, residual = layer(pending, residual, f)
         return f.ops.add_rms_norm(pending, residual, m.norm.weight, m.norm.eps)[0]
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:

@@ -4,9 +4,12 @@ For each chunk of rows: ``logits = h_chunk @ W.T`` (torch matmul, fp32 accumulat
 the native ``hidden @ weight.t()``); a Triton kernel computes each row's loss (online log-sum-exp in fp32) and
 overwrites the logits with d loss_row / d logits (softmax - one_hot, zero for ignored rows); then
 ``grad_hidden[chunk] = dlogits @ W`` and ``grad_W += dlogits.T @ h_chunk`` are accumulated right away (Liger's
-trick), so the backward only scales them by ``grad_output`` (and ``1 / n_valid`` for ``reduction="mean"``, applied
-as a tensor so nothing syncs with the host). grad_W is accumulated in fp32 (on CUDA by a GEMM with an fp32 output
-from bf16/fp16 inputs, ``torch.addmm(..., out_dtype=torch.float32)``, where torch provides it).
+trick), so the backward only scales them in place by ``grad_output`` (and ``1 / n_valid`` for ``reduction="mean"``,
+applied as a tensor so nothing syncs with the host). grad_W is accumulated in the weight's dtype, as Liger-Kernel
+does: each chunk's GEMM sums in fp32 inside cuBLAS and rounds once into the accumulator. An fp32 accumulator for a
+128k x 2048 bf16 head is 1 GiB more at the training step's peak (plus its bf16 copy in the backward), which is what
+put polyfuse's 1B step above Liger's memory (issue 13); ``fp32_accumulate=True`` keeps the fp32 one (on CUDA one
+GEMM with an fp32 output from bf16/fp16 inputs, ``torch.addmm(..., out_dtype=torch.float32)``, where torch has it).
 """
 
 import torch
@@ -73,10 +76,10 @@ _FP32_OUT_GEMM: dict = {}  # device -> whether addmm with out_dtype=float32 (bf1
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32) += a @ b. Low-precision inputs: one cuBLAS GEMM that reads and writes the fp32 accumulator
-    (``out_dtype``) where torch has it, instead of a low-precision product, an fp32 copy of it and an add (three
-    passes over [V, H] per chunk)."""
-    if a.dtype == torch.float32:
+    """acc += a @ b. An accumulator of the inputs' dtype: one GEMM with beta=1. An fp32 one for low-precision inputs:
+    one cuBLAS GEMM that reads and writes it (``out_dtype``) where torch has it, instead of a low-precision product,
+    an fp32 copy of it and an add (three passes over [V, H] per chunk)."""
+    if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
     if acc.is_cuda and _FP32_OUT_GEMM.get(acc.device, True):
@@ -91,7 +94,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk, fp32_accumulate):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"linear_cross_entropy: reduction {reduction!r} unsupported (mean or sum)")
         n, h = hidden.shape
@@ -103,7 +106,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty((n, h), dtype=dtype, device=hidden.device) if need_h else None
-        grad_w = torch.zeros((v, h), dtype=torch.float32, device=weight.device) if need_w else None
+        acc_dtype = torch.float32 if fp32_accumulate else dtype
+        grad_w = torch.zeros((v, h), dtype=acc_dtype, device=weight.device) if need_w else None
         chunk = chunk or chunk_rows(n, h, v, MIN_CHUNK_ROWS if hidden.is_cuda else 1)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
@@ -127,9 +131,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad_h, grad_w, scale = ctx.saved_tensors
         g = grad_output.to(torch.float32) * scale
-        dh = (grad_h * g).to(ctx.dtypes[0]) if grad_h is not None else None
-        dw = (grad_w * g).to(ctx.dtypes[1]) if grad_w is not None else None
-        return dh, dw, None, None, None, None
+        # In place: the saved buffers are this graph's own and die with it (a second backward through the same
+        # graph, retain_graph=True, is not supported, as in Liger-Kernel).
+        dh = grad_h.mul_(g).to(ctx.dtypes[0]) if grad_h is not None else None
+        dw = grad_w.mul_(g).to(ctx.dtypes[1]) if grad_w is not None else None
+        return dh, dw, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -139,7 +145,8 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk: int = 0,
+    fp32_accumulate: bool = False,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T, labels)`` without holding the [N, V] logits. ``chunk``: rows per chunk
-    (0: automatic, see ``chunk_rows``)."""
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction, chunk)
+    (0: automatic, see ``chunk_rows``); ``fp32_accumulate``: grad_W in fp32 instead of the weight's dtype."""
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction, chunk, fp32_accumulate)
