@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Training-step benchmark: polyfuse against transformers' own Llama (attn_implementation="sdpa") in one run.
+"""Training-step benchmark: polyfuse against transformers' own Llama (attn_implementation="sdpa") and against
+Liger-Kernel (``apply_liger_kernel_to_llama`` on transformers' Llama) in one run.
 
-Same shape, sequence, batch, bf16 weights and fused AdamW for both; random weights in real shapes. A step is what
+Same shape, sequence, batch, bf16 weights and fused AdamW for every variant; random weights in real shapes. Liger
+patches transformers' Llama class when applied, so the liger variant always runs last. A step is what
 transformers' Trainer does per batch: forward with labels, backward, clip grad norm, optimizer step, zero grad.
 Reports tokens/s, peak memory and (GPU) the longest sequence that fits, found by doubling until OOM, then one
 polyfuse/transformers ratio line per (shape, seq, batch) that both variants measured. With --output the JSON is
@@ -9,6 +11,8 @@ rewritten after every case, so a run killed part-way keeps what it measured.
 
     python examples/benchmark_training.py --output bench_training.json              # GPU default set
     python examples/benchmark_training.py --batch 1,4,8 --gradient_checkpointing --time_budget_s 480 --output b.json
+    python examples/benchmark_training.py --shape llama-3.2-1b --seq 2048 --batch 4,8 --gradient_checkpointing \
+        --variants transformers,polyfuse,liger --memory_peak --output b.json   # against Liger, with peak breakdown
     python examples/benchmark_training.py --shape tiny --output /tmp/tiny.json      # CPU smoke test
 """
 
@@ -46,6 +50,9 @@ SHAPES = {
 }
 
 
+VARIANTS = ("transformers", "polyfuse", "liger")
+
+
 def _fail(msg: str):
     print(f"benchmark_training.py: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
@@ -78,11 +85,21 @@ def parse_args(argv=None):
         help="start no new case (or longest-sequence step) once this many seconds have passed; the rest is listed "
         "as skipped (default: no budget)",
     )
-    p.add_argument("--variants", default="transformers,polyfuse")
+    p.add_argument(
+        "--variants",
+        default="transformers,polyfuse",
+        help="comma list of transformers, polyfuse, liger (liger needs the liger-kernel package; it runs last)",
+    )
     p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.add_argument(
         "--profile", action="store_true", help="GPU: print the top kernels of one more step after each case"
+    )
+    p.add_argument(
+        "--memory_peak",
+        action="store_true",
+        help="GPU: after each case, one more step with the allocator's history on; prints (and stores) what was "
+        "alive at its peak, by allocating code",
     )
     a = p.parse_args(argv)
     a.device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,8 +117,14 @@ def parse_args(argv=None):
         _fail(f"--seq must be a comma list of integers, got {seq!r}")
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in a.variants:
-        if v not in ("transformers", "polyfuse"):
-            _fail(f"unknown variant {v!r} (transformers, polyfuse)")
+        if v not in VARIANTS:
+            _fail(f"unknown variant {v!r} ({', '.join(VARIANTS)})")
+    if "liger" in a.variants:
+        try:
+            import liger_kernel.transformers  # noqa: F401
+        except ImportError:
+            _fail("--variants liger needs the liger-kernel package (pip install liger-kernel)")
+        a.variants = [v for v in a.variants if v != "liger"] + ["liger"]  # it patches transformers' Llama class
     try:
         a.batches = [int(b) for b in a.batch.split(",") if b.strip()]
     except ValueError:
@@ -144,6 +167,14 @@ def build(variant: str, shape: str, args, max_seq: int):
 
         h = patch(model, device=device, flags=flags, overrides=args.polyfuse_ops, training=True)
         return model, h.report(), "transformers LlamaForCausalLM + polyfuse.patch"
+    if variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        # Liger's defaults for Llama: RoPE, RMSNorm, SwiGLU and the fused linear cross-entropy (no logits).
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model
+        )
+        return model, "", "transformers LlamaForCausalLM (sdpa) + Liger-Kernel"
     return model, "", "transformers LlamaForCausalLM (sdpa)"
 
 
@@ -176,6 +207,24 @@ def profile_step(model, opt, args, seq: int, batch: int, title: str) -> None:
         sync(torch.device(args.device))
     print(f"profile: {title}", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70), flush=True)
+
+
+def memory_peak_step(model, opt, args, seq: int, batch: int, title: str) -> str:
+    """One more step with the allocator's history on: what was alive at its peak, by allocating code."""
+    from polyfuse.bench import memory_peak
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
+    sync(torch.device(args.device))
+    before = torch.cuda.memory_allocated()
+    memory_peak.record()
+    try:
+        step(model, opt, ids)
+        sync(torch.device(args.device))
+        text = f"{title}\n" + memory_peak.peak_report(before)
+    finally:
+        memory_peak.stop()
+    print(text, flush=True)
+    return text
 
 
 def run_case(model, opt, args, seq: int, batch: int, steps: int):
@@ -246,24 +295,28 @@ def _ratio(a, b):
 
 
 def ratios(cases):
-    """polyfuse/transformers tokens/s and peak-memory ratios for every (shape, seq, batch) both variants measured."""
+    """polyfuse/peer tokens/s and peak-memory ratios for every (shape, seq, batch) that polyfuse and a peer
+    (transformers, liger) both measured."""
     by = {(c["shape"], c["variant"], c["seq"], c["batch"]): c for c in cases if "tokens_per_s" in c}
     out = []
     for (shape, variant, seq, batch), pf in by.items():
-        tf = by.get((shape, "transformers", seq, batch))
-        if variant != "polyfuse" or tf is None:
+        if variant != "polyfuse":
             continue
-        out.append({
-            "shape": shape, "seq": seq, "batch": batch,
-            "tokens_per_s_ratio": _ratio(pf["tokens_per_s"], tf["tokens_per_s"]),
-            "peak_mem_ratio": _ratio(pf["peak_mem_gib"], tf["peak_mem_gib"]),
-        })  # fmt: skip
+        for peer in ("transformers", "liger"):
+            other = by.get((shape, peer, seq, batch))
+            if other is None:
+                continue
+            out.append({
+                "shape": shape, "seq": seq, "batch": batch, "peer": peer,
+                "tokens_per_s_ratio": _ratio(pf["tokens_per_s"], other["tokens_per_s"]),
+                "peak_mem_ratio": _ratio(pf["peak_mem_gib"], other["peak_mem_gib"]),
+            })  # fmt: skip
     return out
 
 
 def ratio_line(r) -> str:
     mem = "n/a" if r["peak_mem_ratio"] is None else f"{r['peak_mem_ratio']:.2f}x"
-    return (f"ratio {r['shape']} seq {r['seq']} batch {r['batch']}: polyfuse/transformers tokens/s "
+    return (f"ratio {r['shape']} seq {r['seq']} batch {r['batch']}: polyfuse/{r['peer']} tokens/s "
             f"{r['tokens_per_s_ratio']:.2f}x, peak memory {mem}")  # fmt: skip
 
 
@@ -351,6 +404,11 @@ def main(argv=None) -> int:
                 write(results, args.output)
                 if args.profile and not oom and device.type == "cuda":
                     profile_step(model, opt, args, seq, batch, f"{shape} {variant} batch {batch} seq {seq}")
+                if args.memory_peak and not oom and device.type == "cuda":
+                    case["memory_peak"] = memory_peak_step(
+                        model, opt, args, seq, batch, f"{shape} {variant} batch {batch} seq {seq}"
+                    )
+                    write(results, args.output)
             row_max, finished = None, True
             if search:
                 fitted = [

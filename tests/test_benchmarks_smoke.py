@@ -66,3 +66,24 @@ def test_benchmark_training_time_budget(tmp_path):
     assert res["cases"] == [] and res["ratios"] == []
     assert "tiny/polyfuse batch 2 seq 32" in res["skipped"] and len(res["skipped"]) == 4
     assert "time budget of 1e-09 s spent: skipped tiny/transformers batch 1 seq 32" in proc.stdout
+
+
+def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
+    """benchmark_training.py --memory_peak: the replay of the allocator's events keeps the set alive at the highest
+    total, not the last or the largest single block."""
+    from polyfuse.bench.memory_peak import _site, live_at_peak
+
+    fr = [{"filename": "/x/site-packages/polyfuse/models/decoder.py", "line": 7, "name": "block"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": fr},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 90, "frames": fr},  # 140 < 150: not the peak
+        {"action": "free_completed", "addr": 2, "size": 50},
+        {"action": "alloc", "addr": 4, "size": 20, "frames": fr},
+    ]
+    peak, live = live_at_peak(trace)
+    assert peak == 150 and set(live) == {1, 2}
+    assert _site(fr) == "polyfuse/models/decoder.py:7 block"
+    assert _site([]) == "(no frames)"
