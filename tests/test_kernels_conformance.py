@@ -673,3 +673,44 @@ def test_swiglu_on_halves_of_one_projection_writes_one_gradient(monkeypatch):
     (ref,) = torch.autograd.grad(((torch.nn.functional.silu(gu[..., :24]) * gu[..., 24:]) * cot).sum(), w)
     assert taken == [(2, 5, 48)]
     torch.testing.assert_close(gw, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["halves", "two_projections"])
+def test_swiglu_backward_writes_gradients_over_its_saved_inputs(fused):
+    """Liger's memory trick (issue 13): the SwiGLU backward writes d(gate), d(up) over the saved gate/up (outputs of
+    the projections, which nothing else keeps), so no new [..., 2I] buffer exists at the MLP backward's peak; the
+    gradients still equal the native ones, and a caller's own leaf tensors are never overwritten."""
+    pytest.importorskip("triton")
+    from polyfuse.backends.triton import swiglu as sw
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 7, 16, generator=gen)
+    wg, wu = (torch.randn(24, 16, generator=gen).requires_grad_() for _ in range(2))
+    cot = torch.randn(3, 7, 24, generator=gen)
+    seen = []
+
+    def projections():
+        if fused:
+            gu = torch.nn.functional.linear(x, torch.cat([wg, wu]))
+            gu.register_hook(lambda g: seen.append(g.data_ptr() == gu.data_ptr()))
+            return gu[..., :24], gu[..., 24:]
+        g, u = torch.nn.functional.linear(x, wg), torch.nn.functional.linear(x, wu)
+        g.register_hook(lambda d: seen.append(d.data_ptr() == g.data_ptr()))
+        return g, u
+
+    got = torch.autograd.grad((sw.swiglu(*projections()) * cot).sum(), (wg, wu))
+    gate, up = projections()
+    ref = torch.autograd.grad(((torch.nn.functional.silu(gate) * up) * cot).sum(), (wg, wu))
+    assert seen[0] is True, "the gradient was written to a new buffer, not over the saved projection"
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Leaves: the caller's tensors keep their values.
+    g0, u0 = (torch.randn(4, 24, generator=gen).requires_grad_() for _ in range(2))
+    keep = (g0.detach().clone(), u0.detach().clone())
+    sw.swiglu(g0, u0).sum().backward()
+    assert torch.equal(g0.detach(), keep[0]) and torch.equal(u0.detach(), keep[1])
+    shared = torch.randn(4, 24, generator=gen).requires_grad_()
+    h = shared * 1.0  # not a leaf: swiglu(h, h) must not write both gradients into h
+    (gs,) = torch.autograd.grad(sw.swiglu(h, h).sum(), shared)
+    ref_s = torch.autograd.grad((torch.nn.functional.silu(shared) * shared).sum(), shared)[0]
+    torch.testing.assert_close(gs, ref_s, rtol=1e-5, atol=1e-5)

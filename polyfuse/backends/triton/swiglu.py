@@ -1,10 +1,16 @@
 """SwiGLU ``silu(gate) * up`` in Triton, forward and backward, math in fp32 with one rounding.
 
 gate and up may be strided views of one fused [..., 2I] projection: rows may have any stride, the last dim must be
-contiguous (it is made so otherwise). The output and the gradients are new contiguous tensors. When gate and up are
-the two halves of one contiguous tensor that needs a gradient, the autograd node takes that tensor itself and the
-backward writes its gradient whole: autograd would otherwise build it from the two halves' gradients (two
-zero-filled [..., 2I] buffers, two copies and an add per layer).
+contiguous (it is made so otherwise). The output is a new contiguous tensor. When gate and up are the two halves of
+one contiguous tensor that needs a gradient, the autograd node takes that tensor itself and the backward writes its
+gradient whole: autograd would otherwise build it from the two halves' gradients (two zero-filled [..., 2I] buffers,
+two copies and an add per layer).
+
+The backward writes the gradients over the saved gate and up (each element is read before it is written), as
+Liger-Kernel's SwiGLU does: no new [..., 2I] buffer at the training step's memory peak (the MLP backward of the
+checkpointed layer; 0.5 GiB for the 1B shape at 8 x 2048 tokens). So gate and up must not be kept by another op for
+its own backward — in a decoder MLP they are the gate/up projection's output, which its GEMM does not keep. Leaf
+tensors (a caller's own) are never overwritten.
 """
 
 import torch
@@ -63,13 +69,17 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, gate, up):
         y = swiglu_forward(gate, up)
         ctx.save_for_backward(gate, up)
+        ctx.overwrite = not (gate.is_leaf or up.is_leaf)  # never a caller's own tensors
         return y
 
     @staticmethod
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        if ctx.overwrite and _writable(gate, up):  # the gradients go over gate and up (module docstring)
+            dg, du = gate, up
+        else:
+            dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+            du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         _backward_into(dy, gate, up, dg, du)
         return dg, du
 
@@ -81,15 +91,30 @@ class _SwiGLUHalves(torch.autograd.Function):
     def forward(ctx, x):
         i = x.shape[-1] // 2
         ctx.save_for_backward(x)
+        ctx.overwrite = not x.is_leaf  # never a caller's own tensor
         return swiglu_forward(x[..., :i], x[..., i:])
 
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         i = x.shape[-1] // 2
-        dx = torch.empty_like(x)
+        dx = x if ctx.overwrite else torch.empty_like(x)  # over the saved input (module docstring)
         _backward_into(dy, x[..., :i], x[..., i:], dx[..., :i], dx[..., i:])
         return dx
+
+
+def _writable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the backward may write d(gate), d(up) over gate and up: last dims contiguous (the kernel's layout)
+    and the two disjoint (swiglu(x, x) must not get both gradients written into one buffer)."""
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return False
+    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return True
+    # One storage (the halves of a [..., 2I] projection): disjoint when, with equal strides, up's columns start at
+    # least I elements after or before gate's and still fit inside the row.
+    i, d = gate.shape[-1], abs(up.storage_offset() - gate.storage_offset())
+    row = gate.stride(-2) if gate.dim() > 1 else float("inf")
+    return gate.stride() == up.stride() and d >= i and d + i <= row
 
 
 def _backward_into(dy, gate, up, dg, du) -> None:
