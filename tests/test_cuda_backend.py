@@ -76,12 +76,19 @@ def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(tr
     kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, training=training))
     for op in ("linear", "swiglu_linear"):
         impl = kernels.choices[op].implementation
-        if training:  # inference-only ops: training keeps F.linear and its autograd
+        if training and op == "linear":  # inference-only: training keeps F.linear and its autograd
             assert impl.name == registry.NATIVE
+        elif training:  # the down projection that recomputes silu(gate) * up in its backward
+            assert (impl.backend, impl.name) == ("triton", "triton_recompute")
+            assert "skipped triton_gemv" in kernels.choices[op].reason
         else:
             assert (impl.backend, impl.name) == ("cuda", "triton_gemv")
+            assert "triton_recompute" not in [i.name for i in kernels.choices[op].then]
     report = kernels.report()
     assert ("Triton GEMV on the one-row shapes tuned for this GPU" in report) is not training
+    # -swiglu is honoured inside the fold: the composite (with the native swiglu) runs instead.
+    forced = registry.resolve(SelectionContext(CUDA, torch.bfloat16, training=training, overrides="-swiglu"))
+    assert forced.choices["swiglu_linear"].implementation.name != "triton_recompute"
 
 
 def test_gemv_table_applies_only_to_the_gpu_it_was_tuned_on(monkeypatch):
@@ -118,11 +125,17 @@ def test_float64_falls_back_with_reason():
 
 def test_probe_values():
     impls = _cuda_impls()
-    ok = SelectionContext(CUDA, torch.bfloat16)
     for impl in impls.values():
+        training = impl.name == "triton_recompute"  # training only
+        ok = SelectionContext(CUDA, torch.bfloat16, training=training)
         assert impl.unusable_reason(ok) is None, impl.name
-        assert impl.unusable_reason(SelectionContext(CUDA, torch.float64)) == "dtype float64 unsupported"
-        assert "needs device cuda" in impl.unusable_reason(SelectionContext(torch.device("cpu"), torch.float32))
+        f64 = SelectionContext(CUDA, torch.float64, training=training)
+        assert impl.unusable_reason(f64) == "dtype float64 unsupported"
+        cpu = SelectionContext(torch.device("cpu"), torch.float32, training=training)
+        assert "needs device cuda" in impl.unusable_reason(cpu)
+    assert "training only" in impls["swiglu_linear", "triton_recompute"].unusable_reason(
+        SelectionContext(CUDA, torch.bfloat16)
+    )
 
 
 def test_cpu_and_hpu_contexts_never_pick_cuda():

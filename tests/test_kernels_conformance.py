@@ -192,6 +192,24 @@ def _cases_swiglu_linear(device, dtype, big):
             return (gu0[..., :i], gu0[..., i:], w0), {}, []
 
         out.append((f"x{lead}I{i}N{n}", make))
+    # Training (gradients): gate/up as the halves of a projection's output (an intermediate, as in the decoder), and
+    # as two separate leaf tensors, with a bias.
+    lead, i, n = ((4, 64), 512, 256) if big else ((2, 3), 24, 16)
+    gen = torch.Generator().manual_seed(77)
+    gu0, w0, b0 = _rand(gen, (*lead, 2 * i), dtype, device, 2.0), _rand(gen, (n, i), dtype, device, 0.05), None
+    b0 = _rand(gen, (n,), dtype, device)
+
+    def make_halves(gu0=gu0, w0=w0, i=i):
+        gu_leaf, w = gu0.clone().requires_grad_(), w0.clone().requires_grad_()
+        gu = gu_leaf * 1.0  # an intermediate result, like the gate/up projection's output
+        return (gu[..., :i], gu[..., i:], w), {}, [gu_leaf, w]
+
+    def make_pair(gu0=gu0, w0=w0, b0=b0, i=i):
+        g, u = gu0[..., :i].clone().requires_grad_(), gu0[..., i:].clone().requires_grad_()
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        return (g, u, w, b), {}, [g, u, w, b]
+
+    out += [("train_halves", make_halves), ("train_pair_bias", make_pair)]
     return out
 
 
@@ -714,3 +732,72 @@ def test_swiglu_backward_writes_gradients_over_its_saved_inputs(fused):
     (gs,) = torch.autograd.grad(sw.swiglu(h, h).sum(), shared)
     ref_s = torch.autograd.grad((torch.nn.functional.silu(shared) * shared).sum(), shared)[0]
     torch.testing.assert_close(gs, ref_s, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["views_of_qkv", "two_projections"])
+def test_rotary_writes_over_projection_outputs_and_keeps_gradients(fused):
+    """Liger's RoPE trick (issue 13): q and k made by a differentiable projection are rotated where they are (no
+    second copy while attention holds them), with the native gradients; a caller's own tensors are left alone."""
+    pytest.importorskip("triton")
+    from polyfuse.backends.triton import rotary as rt
+    from polyfuse.ops.rotary import rotary_native
+
+    gen = torch.Generator().manual_seed(6)
+    b, n, hq, hkv, d = 2, 5, 4, 2, 8
+    x = torch.randn(b, n, 16, generator=gen)
+    w = torch.randn((hq + 2 * hkv) * d, 16, generator=gen).requires_grad_()
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(n, dtype=torch.float32)[:, None] * inv[None]
+    cos, sin = (
+        torch.cat([ang.cos()] * 2, -1)[None].expand(b, n, d),
+        torch.cat([ang.sin()] * 2, -1)[None].expand(b, n, d),
+    )
+    cot_q, cot_k = torch.randn(b, hq, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+
+    def qk():
+        if fused:
+            qkv = torch.nn.functional.linear(x, w)
+            q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        else:
+            q, k = (
+                torch.nn.functional.linear(x, w[: hq * d]),
+                torch.nn.functional.linear(x, w[hq * d : (hq + hkv) * d]),
+            )
+        return q.view(b, n, hq, d).transpose(1, 2), k.view(b, n, hkv, d).transpose(1, 2)
+
+    q, k = qk()
+    qo, ko = rt.rotary(q, k, cos, sin)
+    assert qo.data_ptr() == q.data_ptr() and ko.data_ptr() == k.data_ptr(), "rotated into new buffers"
+    (gw,) = torch.autograd.grad((qo * cot_q).sum() + (ko * cot_k).sum(), w)
+    q, k = qk()
+    rq, rk = rotary_native(q, k, cos, sin)
+    torch.testing.assert_close(qo.detach(), rq.detach(), rtol=1e-5, atol=1e-5)
+    (ref,) = torch.autograd.grad((rq * cot_q).sum() + (rk * cot_k).sum(), w)
+    torch.testing.assert_close(gw, ref, rtol=1e-5, atol=1e-5)
+    # A caller's own (leaf) tensors keep their values.
+    q0 = torch.randn(b, hq, n, d, generator=gen).requires_grad_()
+    k0 = torch.randn(b, hkv, n, d, generator=gen).requires_grad_()
+    keep = q0.detach().clone()
+    qo, _ = rt.rotary(q0, k0, cos, sin)
+    assert torch.equal(q0.detach(), keep) and qo.data_ptr() != q0.data_ptr()
+
+
+def test_swiglu_linear_training_keeps_no_product():
+    """triton_recompute (issue 13): the down projection keeps gate/up and its weight for the backward, not the
+    [..., I] product silu(gate) * up the composite keeps (recomputed instead)."""
+    pytest.importorskip("triton")
+    from polyfuse.backends.triton.swiglu_linear import swiglu_linear
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 5, 16, generator=gen)
+    w_gu = torch.randn(48, 16, generator=gen).requires_grad_()
+    w = torch.randn(16, 24, generator=gen).requires_grad_()
+    shapes = {}
+    for name, fn in (("fold", swiglu_linear), ("composite", lambda g, u, w: (torch.nn.functional.silu(g) * u) @ w.T)):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            gu = torch.nn.functional.linear(x, w_gu)
+            fn(gu[..., :24], gu[..., 24:], w).sum().backward()
+        shapes[name] = saved
+    assert (3, 5, 24) in shapes["composite"]
+    assert (3, 5, 24) not in shapes["fold"] and (15, 24) not in shapes["fold"], shapes["fold"]

@@ -322,9 +322,16 @@ class Kernels:
 def resolve(ctx: SelectionContext) -> Kernels:
     """Pick one implementation chain per declared op. Called once when a model is built, never per token."""
     load_plugins()
+    overrides = run_overrides(ctx)
+    return Kernels({op: select(op, ctx, overrides) for op in _OPS}, ctx)
+
+
+def run_overrides(ctx: SelectionContext) -> dict[str, str]:
+    """The run's op overrides: the environment's, then the context's (later entries win). A fused implementation
+    that folds another op in (e.g. SwiGLU inside a projection) asks here whether that op was forced native."""
     overrides = parse_overrides(os.environ.get(ENV_OVERRIDES, ""))
     overrides.update(parse_overrides(ctx.overrides))
-    return Kernels({op: select(op, ctx, overrides) for op in _OPS}, ctx)
+    return overrides
 
 
 def bound(op: str, impl_name: str, ctx: Optional[SelectionContext] = None) -> Callable:

@@ -1,10 +1,12 @@
 """Linear layers of the decode step as ops, so a backend can replace the library GEMM where it loses.
 
 ``linear(x, weight, bias)`` is ``F.linear``; ``swiglu_linear(gate, up, weight, bias)`` is ``F.linear(silu(gate) *
-up, weight, bias)``, the MLP's down projection with its gate folded in. Both are inference-only ops (training keeps
-the reference, ``F.linear`` with its autograd). A backend's implementation may take only the shapes where it was
-measured to win (CUDA: a Triton GEMV for tuned one-row decode shapes, cuBLAS for the rest); ``-linear`` /
-``-swiglu_linear`` force the reference.
+up, weight, bias)``, the MLP's down projection with its gate folded in. ``linear`` is inference-only (training keeps
+the reference, ``F.linear`` with its autograd). ``swiglu_linear`` also has training implementations: where none is
+chosen the composite (the run's swiglu, then linear) runs; the Triton one recomputes the product in its backward
+instead of keeping it (backends/triton/swiglu_linear.py). A backend's inference implementation may take only the
+shapes where it was measured to win (CUDA: a Triton GEMV for tuned one-row decode shapes, cuBLAS for the rest);
+``-linear`` / ``-swiglu_linear`` force the reference.
 """
 
 from typing import Optional
@@ -46,7 +48,6 @@ SWIGLU_SPEC = declare(
         "swiglu_linear",
         "swiglu_linear(gate[..., I], up[..., I], weight[N, I], bias[N] | None) -> (silu(gate) * up) @ weight.T",
         swiglu_linear_native,
-        training=False,
         compose=compose_swiglu_linear,
         composed_of=("swiglu", "linear"),
     )

@@ -43,6 +43,18 @@ def probe_inference(ctx: SelectionContext) -> Optional[str]:
     return "inference only" if ctx.training else probe_triton(ctx)
 
 
+def probe_training_fold(ctx: SelectionContext) -> Optional[str]:
+    """swiglu_linear's training implementation: training only, and not where the run forced SwiGLU native (the
+    composite, which calls the run's own swiglu choice, honours that)."""
+    from polyfuse.core.registry import run_overrides
+
+    if not ctx.training:
+        return "training only (inference: the GEMV or the composite)"
+    if run_overrides(ctx).get("swiglu") == "-":
+        return "swiglu forced native (-swiglu): the composite runs"
+    return probe_triton(ctx)
+
+
 def _impl(op, name, module, attr, probe=probe_triton, priority=PRIORITY, backward=True, accepts=False, quiet=False):
     return Implementation(
         op, name, BACKEND, DEVICES, lazy_function(f"polyfuse.backends.triton.{module}", attr), priority, probe,
@@ -68,6 +80,8 @@ def implementations() -> list[Implementation]:
             accepts=True,
         ),
         _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy"),
+        # Training's down projection: keeps no silu(gate) * up product (recomputed in the backward).
+        _impl("swiglu_linear", "triton_recompute", "swiglu_linear", "swiglu_linear", probe_training_fold, PRIORITY - 1),
         # One-query decode steps only; prefill and anything else is declined to the next choice (SDPA).
         _impl(
             "attention",
