@@ -188,3 +188,26 @@ def test_import_does_not_load_triton_and_survives_without_it():
     assert res.returncode == 0, res.stderr
     name, reason = res.stdout.strip().splitlines()[-1].split(" | ")
     assert name != "triton" and "triton not importable" in reason
+
+
+def test_tensor_parallel_all_reduce_takes_the_one_shot_kernel_for_decode_sizes_only():
+    """Issue 11: the CUDA backend offers a one-shot all-reduce over symmetric memory (peer loads, no NVLink
+    multicast) for decode-sized tensors; anything larger, strided or not on a GPU is declined to NCCL (native)."""
+    from polyfuse.backends.cuda import symm_all_reduce as sar
+
+    kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16))
+    choice = kernels.choices["all_reduce"]
+    if sar.unusable():
+        assert choice.implementation.name == registry.NATIVE
+        pytest.skip(sar.unusable())
+    assert (choice.implementation.backend, choice.implementation.name) == ("cuda", "symm_one_shot")
+    assert [i.name for i in choice.then] == []  # declined calls go to the native (NCCL) all-reduce
+
+    class Group:
+        group_name = "0"
+
+    assert sar.accepts_all_reduce(torch.zeros(4096), None) == "no process group"
+    assert "contiguous" in sar.accepts_all_reduce(torch.zeros(4096), Group())  # a CPU tensor
+    assert sar.size_refusal(4096 * 2) is None  # batch-1 decode, hidden 4096, bf16
+    assert "NCCL" in sar.size_refusal(sar.MAX_BYTES + 16)  # e.g. a prefill's activations
+    assert "16 bytes" in sar.size_refusal(4095 * 2)
