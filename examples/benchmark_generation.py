@@ -291,6 +291,12 @@ def main():
                 decode_read_GB=gb(wb_read),
                 backends={k: v["implementation"] for k, v in model.kernels.as_dict().items()},
                 quant=args.quant,
+                # --quant: what a declined call tries next (rows decide: gemv_q 1, gemm_q 2..64, dequant_mm more)
+                quant_chains={
+                    op: [c.implementation.name] + [i.name for i in c.then]
+                    for op, c in model.kernels.choices.items()
+                    if op in ("linear_q", "swiglu_linear_q") and args.quant
+                },
             ),
             out,
         )

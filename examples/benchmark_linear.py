@@ -1,17 +1,24 @@
 #!/usr/bin/env python
-"""Decode-time linear layers (one row, M=1) on the real weight shapes: cuBLAS, cuBLASLt and the Triton GEMV.
+"""Decode-time linear layers (one row, M=1) on the real weight shapes: cuBLAS, cuBLASLt and the Triton GEMV; with
+--quant, the quantized-weight kernels beside them (int4 / int8: the one-row GEMV, the dequantizing GEMM for batch
+decode, dequantize + cuBLAS for prefill, and the native reference they replace).
 
     python examples/benchmark_linear.py --output linear.jsonl     # NVIDIA GPU only
+    python examples/benchmark_linear.py --shapes 8b.o,8b.qkv,8b.gate_up,8b.down --rows 1,16,64,256,2048 --no-triton \
+        --quant int4,int8                                          # bf16 cuBLAS vs int4 / int8 kernels
+    python examples/benchmark_linear.py --shapes 8b.o,8b.down,8b.gate_up --rows 16 --no-triton --quant int4 --qsweep
 
 Each case is timed as a CUDA graph of back-to-back calls over rotating weight copies (more bytes than the L2 holds,
 so every call reads its weight from HBM, as in decode), reporting microseconds per call and the weight bytes read
-per second. The SwiGLU rows compare the down projection after the separate SwiGLU kernel with the GEMV that applies
-SwiGLU while loading its input.
+per second (quantized rows: the packed bytes with their scales) and TFLOP/s. The SwiGLU rows compare the down
+projection after the separate SwiGLU kernel with the GEMV (GEMM) that applies SwiGLU while loading its input. Every
+quantized row is checked against F.linear on the dequantized weight first (an ``error`` row when it is off).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -42,6 +49,18 @@ SHAPES = {  # name: (N, K)
     "70b.o": (8192, 8192),
     "70b.gate_up": (57344, 8192),
     "70b.down": (8192, 28672),
+    # One rank's shard under tensor parallelism over 2 GPUs (docs/distributed.md): column-parallel qkv / gate_up /
+    # LM head (N halved), row-parallel o / down (K halved).
+    "8b-tp2.qkv": (3072, 4096),
+    "8b-tp2.o": (4096, 2048),
+    "8b-tp2.gate_up": (14336, 4096),
+    "8b-tp2.down": (4096, 7168),
+    "8b-tp2.lm_head": (64128, 4096),
+    "70b-tp2.qkv": (5120, 8192),
+    "70b-tp2.o": (8192, 4096),
+    "70b-tp2.gate_up": (28672, 8192),
+    "70b-tp2.down": (8192, 14336),
+    "70b-tp2.lm_head": (16000, 8192),
 }
 CONFIGS = [  # block_n, block_k, num_warps, num_stages
     (bn, bk, nw, ns)
@@ -51,6 +70,15 @@ CONFIGS = [  # block_n, block_k, num_warps, num_stages
     for ns in (2, 3)
     if bn * bk <= 32768
 ]  # fmt: skip
+# --qsweep: dequantizing GEMM tiles (block_n, block_k, num_warps, num_stages; block_m from the rows), beside the default
+QCONFIGS = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (64, 128) for nw in (4, 8) for ns in (2, 4)]
+# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout.
+GEMV_QCONFIGS = {
+    "int4": [(bn, bk, nw, ns) for bn in (32, 64, 128, 256) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3, 4)
+             if bn * bk <= 16384],
+    "bytes": [(bn, bk, nw, ns) for bn, bk in ((2, 4096), (4, 2048), (4, 4096), (8, 1024), (8, 2048), (16, 512),
+                                              (16, 1024), (32, 256), (32, 512)) for nw in (4, 8) for ns in (2, 3)],
+}  # fmt: skip
 
 
 def graph_time(fn, reps: int) -> float:
@@ -76,12 +104,90 @@ def graph_time(fn, reps: int) -> float:
     return sorted(times[1:])[2]
 
 
+def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
+    """{impl: (seconds per call, bytes read)} for the ``fmt`` kernels on weight ``w`` and ``m`` rows of ``x``."""
+    from polyfuse.backends.triton import _qgemm
+    from polyfuse.backends.triton.dequant_mm import linear_q as dequant_mm
+    from polyfuse.backends.triton.gemm_gptq import gemm_gptq
+    from polyfuse.backends.triton.gemm_int8 import gemm_int8
+    from polyfuse.backends.triton.quant_gemv import linear_q as gemv_q
+    from polyfuse.backends.triton.quant_gemv import swiglu_linear_q as gemv_q_swiglu
+    from polyfuse.backends.triton.swiglu import swiglu
+    from polyfuse.ops.quant_formats import dequantize, quantize
+    from polyfuse.ops.quant_linear import linear_q_native
+
+    qw = quantize(fmt, w.float())
+    tensors = [f.name for f in dataclasses.fields(qw) if isinstance(getattr(qw, f.name), torch.Tensor)]
+    qbytes = sum(getattr(qw, t).nbytes for t in tensors)
+    copies = max(2, min(32, -(-(2 << 30) // qbytes)))
+    qws = [qw] + [dataclasses.replace(qw, **{t: getattr(qw, t).clone() for t in tensors}) for _ in range(copies - 1)]
+    gemm = {"int4": gemm_gptq, "int8": gemm_int8}.get(fmt)
+    wd = dequantize(qw, x.dtype)
+    ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
+    fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
+    if gemm is not None:
+        fns[f"{fmt}_dequant_cublas"] = lambda q: dequant_mm(x, q)
+        fns[f"{fmt}_gemm"] = lambda q: gemm(x, None, q)
+    if fmt == "int4" and args.reshape:
+        fns["int4_gemm_reshape"] = lambda q: gemm(x, None, q, reshape=True)
+    if m == 1:
+        fns[f"{fmt}_gemv"] = lambda q: gemv_q(x, q)
+        if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/_qgemv.py TILES)
+            from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+            from polyfuse.backends.triton.gemv_scaled import gemv_scaled
+
+            kernel = gemv_gptq if fmt == "int4" else gemv_scaled
+            for cfg in GEMV_QCONFIGS["int4" if fmt == "int4" else "bytes"]:
+                tag = f"{fmt}_gemv_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"
+                fns[tag] = lambda q, cfg=cfg, kernel=kernel: kernel(x, None, q, tiles=cfg)
+    if args.qsweep and gemm is not None:
+        for cfg in QCONFIGS:
+            if fmt == "int4" and cfg[1] > qw.group_size:
+                continue
+            fns[f"{fmt}_gemm_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"] = lambda q, cfg=cfg: gemm(x, None, q, tiles=cfg)
+    if name.endswith("down"):
+        if gemm is not None:
+            fns[f"swiglu+{fmt}_dequant_cublas"] = lambda q: dequant_mm(swiglu(x, up), q)
+            fns[f"swiglu+{fmt}_gemm"] = lambda q: gemm(x, up, q)
+        if m == 1:
+            fns[f"swiglu+{fmt}_gemv"] = lambda q: gemv_q_swiglu(x, up, q)
+    out = {}
+    for impl, fn in fns.items():
+        try:
+            want = sref if impl.startswith("swiglu+") else ref
+            err = ((fn(qw).float() - want).norm() / want.norm()).item()
+            if err > 1e-2:
+                log(dict(shape=name, M=m, impl=impl, error=f"relative error {err:.2e}"))
+                continue
+            out[impl] = (graph_time(lambda i, fn=fn: fn(qws[i % copies]), copies), qbytes)
+        except Exception as e:  # a config that does not compile must not stop the sweep
+            log(dict(shape=name, M=m, impl=impl, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
+    if gemm is not None:
+        tiles = _qgemm.tiles_for(fmt, m)
+        log(dict(shape=name, M=m, what=f"{fmt}_gemm default tiles", tiles=tiles,
+                 split=_qgemm.launch_plan(m, n, k, x.device, tiles)[2]))  # fmt: skip
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rows", default="1", help="comma list of M (rows)")
     p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output", default=None)
+    p.add_argument(
+        "--quant",
+        default="",
+        help="comma list of weight formats to time beside bf16: int4, int8 (fp8, fp8_block: GEMV)",
+    )
+    p.add_argument("--gemv_sweep", action="store_true", help="with --quant and rows 1: sweep the one-row GEMV's tiles")
+    p.add_argument("--qsweep", action="store_true", help="with --quant: also sweep the GEMM's tiles (QCONFIGS)")
+    p.add_argument(
+        "--reshape",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quant int4: also time the GEMM unpacking words once + reshape (POLYFUSE_QGEMM_RESHAPE)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("benchmark_linear.py: error: needs an NVIDIA GPU", file=sys.stderr)
@@ -130,8 +236,12 @@ def main():
                             log(dict(shape=name, M=m, impl=tag, error=f"relative error {err:.2e}"))
                     except Exception as e:  # a config that does not compile must not stop the sweep
                         log(dict(shape=name, M=m, impl=tag, error=str(e).splitlines()[0][:200]))
-            for impl, s in sorted(cases.items(), key=lambda kv: kv[1]):
-                log(dict(shape=name, M=m, impl=impl, us=round(s * 1e6, 2), TBps=round(nbytes / s / 1e12, 3)))
+            rows = {impl: (sec, nbytes) for impl, sec in cases.items()}
+            for fmt in [f for f in args.quant.split(",") if f]:
+                rows.update(time_quantized(fmt, name, n, k, m, ws[0], x, up, args, log))
+            for impl, (sec, nb) in sorted(rows.items(), key=lambda kv: kv[1][0]):
+                log(dict(shape=name, M=m, impl=impl, us=round(sec * 1e6, 2), TBps=round(nb / sec / 1e12, 3),
+                         TFLOPs=round(2 * m * n * k / sec / 1e12, 1)))  # fmt: skip
         ws.clear()
         torch.cuda.empty_cache()
 

@@ -2,8 +2,9 @@
 tests/test_kernels_conformance.py (CASES) and tests/test_quantization.py.
 
 Every format, K not a multiple of the kernels' tiles (a partial int4 group and fp8 block), N not a multiple of their
-row blocks, x a strided view as the model passes it; one row (the GEMV) and several rows (declined to the next
-choice); int4 also with an act-order g_idx; fp8 with N a multiple of 16 so ``torch._scaled_mm`` takes bf16 inputs.
+row blocks, x a strided view as the model passes it; one row (the GEMV), a decode batch (the int4 / int8 GEMM; other
+formats declined to the next choice) and more rows (prefill on the GPU: dequantize + matmul); int4 also with an
+act-order g_idx; fp8 with N a multiple of 16 so ``torch._scaled_mm`` takes bf16 inputs.
 """
 
 import dataclasses
@@ -37,10 +38,15 @@ CASE_FORMATS = (*FORMATS, "int4_act")
 
 
 def _shapes(big):
-    # (leading dims of x, K, N)
+    # (leading dims of x, K, N): one row (the GEMV), a decode batch of 16 and 6 / 28 rows (the GEMM for int4 and
+    # int8), a 128-token prefill (dequantize + matmul)
     if big:
-        return [((1, 1), 4096, 4096), ((1, 1), 14336, 4096), ((4, 7), 4096, 1024)]
-    return [((1, 1), 288, 40), ((3, 2), 96, 24)]
+        return [((1, 1), 4096, 4096), ((1, 1), 14336, 4096), ((4, 7), 4096, 1024), ((16, 1), 4096, 6144),
+                ((1, 128), 4096, 1024)]  # fmt: skip
+    return [((1, 1), 288, 40), ((3, 2), 96, 24), ((16, 1), 256, 72)]
+
+
+BIAS_LEADS = ((1, 1), (16, 1))
 
 
 def cases_linear_q(device, dtype, big):
@@ -52,7 +58,7 @@ def cases_linear_q(device, dtype, big):
             gen = torch.Generator().manual_seed(k + n)
             x0 = (torch.randn(*lead, k + 8, generator=gen)).to(dtype).to(device)
             qw = quantized(fmt, n, k, device)
-            bias = (torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) if lead == (1, 1) else None
+            bias = (torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) if lead in BIAS_LEADS else None
 
             def make(x0=x0, qw=qw, bias=bias, k=k):
                 return (x0[..., :k], qw, bias), {}, []

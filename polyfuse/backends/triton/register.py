@@ -81,7 +81,9 @@ def implementations() -> list[Implementation]:
         ),
         _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy"),
         # Training's down projection: keeps no silu(gate) * up product (recomputed in the backward).
-        _impl("swiglu_linear", "triton_recompute", "swiglu_linear", "swiglu_linear", probe_training_fold, PRIORITY - 1),
+        _impl(
+            "swiglu_linear", "triton_recompute", "swiglu_linear", "swiglu_linear", probe_training_fold, PRIORITY - 1
+        ),
         # One-query decode steps only; prefill and anything else is declined to the next choice (SDPA).
         _impl(
             "attention",
@@ -98,29 +100,35 @@ def implementations() -> list[Implementation]:
 
 
 QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
+GEMM_NOTE = "2..64 rows, int4/int8: Triton GEMM dequantizing in its loads"
+DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dtype + F.linear"
+# Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8) -> dequant_mm (int4/int8, any rows) -> scaled_mm -> native.
+GEMM_PRIORITY = PRIORITY - 4
+DEQUANT_PRIORITY = PRIORITY - 6
+
+
+def _quant(op, name, module, priority, note, attr=None):
+    mod = f"polyfuse.backends.triton.{module}"
+    return Implementation(
+        op, name, BACKEND, DEVICES, lazy_function(mod, attr or op), priority, probe_inference,
+        supports_backward=False, note=note, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_" + op),
+        quiet_decline=True,
+    )  # fmt: skip
 
 
 def quant_implementations() -> list[Implementation]:
-    """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its
-    loads; more rows (and anything else it declines) go to the next choice, the native dequantize + matmul."""
-    mod = "polyfuse.backends.triton.quant_gemv"
-    return [
-        Implementation(
-            op,
-            "gemv_q",
-            BACKEND,
-            DEVICES,
-            lazy_function(mod, op),
-            PRIORITY,
-            probe_inference,
-            supports_backward=False,
-            note=QUANT_NOTE,
-            platforms=PLATFORMS,
-            accepts=lazy_function(mod, "accepts_" + op),
-            quiet_decline=True,
-        )
-        for op in ("linear_q", "swiglu_linear_q")
-    ]
+    """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its loads
+    (every format), a GEMM dequantizing in its loads for a few rows (int4, int8: batch decode), and for linear_q a
+    dequantize kernel + F.linear for any rows (int4, int8: prefill). Each declines (quietly: declining is the plan)
+    what it does not take; the rest goes to the next choice, in the end the native dequantize + matmul (or, for
+    swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the same chain)."""
+    out = []
+    for op in ("linear_q", "swiglu_linear_q"):
+        out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))
+        out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE))
+    out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
+    return out
 
 
 _done = []

@@ -1,0 +1,89 @@
+"""Projections on int4 / int8 weights for many rows (prefill): the weight dequantized once per call into a scratch
+tensor in the activations' dtype by one Triton kernel, then ``F.linear`` (cuBLAS on a GPU).
+
+The dequantized values are the reference's exactly (polyfuse/ops/quant_formats.py ``dequantize``: float32, one
+rounding), so this computes what the native reference computes; what it saves is the reference's float32 and int32
+temporaries (for int4 several [K, N] tensors of 4 bytes per weight): the kernel reads the packed weight once and
+writes 2 bytes per weight (bf16 / fp16). For a 2048-token prefill that write is small beside the GEMM's work. int4
+is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; int8 [N, K].
+Registered below the dequantizing GEMM (quant_gemm.py), which takes the few-row calls; inference only.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from polyfuse.backends.triton._qgemm import RESHAPE, int4_tile, int8_tile
+from polyfuse.backends.triton._qgemv import dense_rows
+from polyfuse.backends.triton._rounding import cast_rne
+from polyfuse.backends.triton.gemm_gptq import int4_block_k
+
+
+FORMATS = ("int4", "int8")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TILE = (64, 128, 4)  # block_n, block_k, num_warps
+
+
+@triton.jit
+def _dequant_kernel(
+    QW, QZ, S, GI, WD, N, K, G_SIZE, sq, sz_g, ss_g, sd,
+    INT4: tl.constexpr, GATHER: tl.constexpr, RESHAPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
+    mask = (k < K)[:, None] & n_mask[None, :]
+    if INT4:  # into [K, N]
+        w = int4_tile(QW, QZ, S, GI, k0, K, cols, n_mask, k0 // G_SIZE, sq, sz_g, ss_g,
+                      GATHER, RESHAPE, BLOCK_K, BLOCK_N)  # fmt: skip
+        tl.store(WD + k[:, None].to(tl.int64) * sd + cols[None, :], cast_rne(w, WD.dtype.element_ty), mask=mask)
+    else:  # into [N, K]
+        s = tl.load(S + cols, mask=n_mask, other=0.0).to(tl.float32)
+        w = int8_tile(QW, s, k0, K, cols, n_mask, sq, BLOCK_K)
+        tl.store(WD + cols[None, :] * sd + k[:, None], cast_rne(w, WD.dtype.element_ty), mask=mask)
+
+
+def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
+    """dequantize(qw, dtype) by one kernel: the [N, K] weight (int4: a transposed view of a [K, N] tensor)."""
+    n, k = qw.shape
+    block_n, block_k, num_warps = TILE
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    if qw.format == "int4":
+        block_k, gather = int4_block_k(qw, block_k)
+        grid = (grid[0], triton.cdiv(k, block_k))
+        wd = torch.empty((k, n), dtype=dtype, device=qw.device)
+        qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
+        _dequant_kernel[grid](
+            qweight, qzeros, scales, g_idx, wd, n, k, qw.group_size, qweight.stride(0), qzeros.stride(0),
+            scales.stride(0), wd.stride(0),
+            INT4=True, GATHER=gather, RESHAPE=RESHAPE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        )  # fmt: skip
+        return wd.t()
+    wd = torch.empty((n, k), dtype=dtype, device=qw.device)
+    w, scales = dense_rows(qw.qweight), dense_rows(qw.scales)
+    _dequant_kernel[grid](
+        w, w, scales, w, wd, n, k, 1, w.stride(0), 0, 0, wd.stride(0),
+        INT4=False, GATHER=False, RESHAPE=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return wd
+
+
+def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+    n, k = qweight.shape
+    if x.shape[-1] != k or x.numel() == 0:
+        return "no rows of K inputs"
+    if qweight.format not in FORMATS:
+        return f"no dequantize kernel for format {qweight.format}"
+    if x.dtype not in DTYPES:
+        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return "needs gradients"
+    return None
+
+
+def linear_q(x, qweight, bias=None):
+    return F.linear(x, dequantize_q(qweight, x.dtype), bias)

@@ -1,0 +1,68 @@
+"""The Triton dequantizing GEMM as ``linear_q`` / ``swiglu_linear_q`` for a few rows (batch decode): int4
+(gemm_gptq.py) and int8 (gemm_int8.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
+
+It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
+(prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
+(for linear_q: dequant_mm.py, one dequantize kernel + cuBLAS, then the native reference; for swiglu_linear_q: the
+composite swiglu + linear_q).
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from polyfuse.backends.triton._util import rows
+
+
+FORMATS = ("int4", "int8")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Rows the GEMM takes: all rows of a decode batch fit one BLOCK_M <= 64 tile (the weight is read once per call).
+# Where dequantize + cuBLAS overtakes it is for the GPU to say (benchmark_linear.py --quant --rows 64,128,256):
+# POLYFUSE_QGEMM_MAX_ROWS moves the bound for such runs.
+MIN_ROWS, MAX_ROWS = 2, int(os.environ.get("POLYFUSE_QGEMM_MAX_ROWS", "64"))
+
+
+def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        return "input width is not the weight's K"
+    m = x.numel() // max(k, 1)
+    if m < MIN_ROWS:
+        return "one row (the GEMV's)" if m == 1 else "no rows"
+    if m > MAX_ROWS:
+        return f"more than {MAX_ROWS} rows"
+    if qweight.format not in FORMATS:
+        return f"no GEMM for format {qweight.format}"
+    if x.dtype not in DTYPES:
+        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return "needs gradients"
+    return None
+
+
+def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+    return _refusal(x, qweight, bias)
+
+
+def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        return "gate and up differ in shape or dtype"
+    return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
+
+
+def _gemm(x, up, qweight, bias):
+    k = qweight.shape[1]
+    if qweight.format == "int4":
+        from polyfuse.backends.triton.gemm_gptq import gemm_gptq as kernel
+    else:
+        from polyfuse.backends.triton.gemm_int8 import gemm_int8 as kernel
+    return kernel(rows(x, k), None if up is None else rows(up, k), qweight, bias)
+
+
+def linear_q(x, qweight, bias=None):
+    return _gemm(x, None, qweight, bias).view(*x.shape[:-1], qweight.shape[0])
+
+
+def swiglu_linear_q(gate, up, qweight, bias=None):
+    return _gemm(gate, up, qweight, bias).view(*gate.shape[:-1], qweight.shape[0])

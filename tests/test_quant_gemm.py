@@ -1,0 +1,320 @@
+"""int4 / int8 weights for more than one row (issue 12): the Triton dequantizing GEMM (batch decode, 2..64 rows:
+backends/triton/gemm_gptq.py, gemm_int8.py) and the dequantize kernel + F.linear (prefill: dequant_mm.py), on the CPU
+through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
+
+* the GEMM against the reference (the dequantized weight times x, in float64) for several row counts, N not a
+  multiple of the tile, K of whole and partial groups, bias, SwiGLU folded, act-order, split K, both int4 unpackings,
+  float32 / float16 / bfloat16 activations;
+* the same check fails on a weight whose zero point or group is off by one, or whose int8 scale is off by 1%: the
+  bounds are tight enough to see such a kernel error;
+* the dequantize kernel equals ``quant_formats.dequantize`` bit for bit;
+* the registry on an NVIDIA-like selection: gemv_q -> gemm_q -> dequant_mm -> scaled_mm -> native, and which of them
+  takes a call for 1, 2..64 and more rows, per format.
+(tests/test_kernels_conformance.py runs the new implementations on tests/quant_cases.py like every other.)
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+from quant_cases import quantized
+
+from polyfuse.core import registry
+from polyfuse.ops import quant_formats as qf
+
+
+pytest.importorskip("triton")
+
+# max |y - ref| / rms(ref), ref in float64 from the same (dtype-rounded) weight and activations: float32 sums in
+# another order; float16 / bfloat16 one rounding of the output (2^-11, 2^-8 relative) on elements up to ~4 rms.
+BOUND = {torch.float32: 1e-5, torch.float16: 2.5e-3, torch.bfloat16: 2e-2}
+SMALL_TILES = (16, 32, 32, 4, 1)  # block_m, block_n, block_k, warps, stages: several M, N and K tiles per call
+
+
+def err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return ((y.double() - ref).abs().max() / ref.pow(2).mean().sqrt()).item()
+
+
+def kernel_for(fmt):
+    from polyfuse.backends.triton.gemm_gptq import gemm_gptq
+    from polyfuse.backends.triton.gemm_int8 import gemm_int8
+
+    return gemm_int8 if fmt == "int8" else gemm_gptq
+
+
+def inputs(m, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed + 31 * m + k)
+    gu = (torch.randn(m, 2 * k + 8, generator=gen) * 2).to(dtype)  # gate / up: strided halves of one tensor
+    x = torch.randn(m, k + 8, generator=gen).to(dtype)[:, :k]  # a strided view, as the model passes rows
+    bias = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    return x, gu[:, :k], gu[:, k : 2 * k], bias
+
+
+def reference(x, qw, bias=None):
+    """F.linear in float64 on the dtype-rounded dequantized weight (what the kernel multiplies)."""
+    w = qf.dequantize(qw, x.dtype).double()
+    y = x.double() @ w.t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("m", [2, 5, 16, 33])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "int4_act"])
+def test_gemm_against_the_reference(fmt, m, dtype):
+    """Default tiles (BLOCK_M from the rows, one K step per group) and small tiles with K split three ways; N = 72
+    (a partial N tile), K = 384 (three groups) and 320 (a partial last group); bias or none; SwiGLU folded."""
+    kernel = kernel_for(fmt)
+    for n, k in ((72, 384), (40, 320)):
+        qw = quantized(fmt, n, k, "cpu")
+        x, gate, up, bias = inputs(m, n, k, dtype)
+        act = F.silu(gate) * up  # the swiglu op's rounding in dtype, as the kernel folds it
+        for tiles, split in ((None, None), (SMALL_TILES, 3)):
+            what = f"{fmt} M{m} N{n} K{k} {dtype} tiles={tiles} split={split}"
+            y = kernel(x, None, qw, bias, tiles=tiles, split=split)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert err(y, reference(x, qw, bias)) < BOUND[dtype], what
+            y = kernel(gate, up, qw, None, tiles=tiles, split=split)
+            assert err(y, reference(act, qw)) < BOUND[dtype], what + " swiglu"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int4_act"])
+def test_int4_reshape_unpacking_and_group_sizes(fmt):
+    """The other int4 unpacking (words loaded once, expanded in registers) and AutoGPTQ group sizes 32, 64 and one
+    group over all of K (192: no power-of-two step divides it but 64)."""
+    from polyfuse.backends.triton.gemm_gptq import gemm_gptq
+
+    x, gate, up, bias = inputs(16, 72, 384, torch.float32)
+    qw = quantized(fmt, 72, 384, "cpu")
+    for tiles, split in ((None, None), (SMALL_TILES, 3)):
+        assert err(gemm_gptq(x, None, qw, bias, tiles, split, reshape=True), reference(x, qw, bias)) < 1e-5
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 192, generator=gen)
+    for g in (32, 64, 192):
+        qw = qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g)
+        for reshape in (False, True):
+            assert err(gemm_gptq(x, None, qw, None, reshape=reshape), reference(x, qw)) < 1e-5, (g, reshape)
+
+
+def _tampered(qw, how):
+    if how == "zero_of_one_column_group":  # the stored zero of group 1, column 3 plus one
+        qz = qw.qzeros.clone()
+        qz[1, 0] = qz[1, 0] + (1 << 12)  # nibble 3 of word 0: column 3 (its zero is below 15 with these weights)
+        return dataclasses.replace(qw, qzeros=qz)
+    if how == "zeros_without_plus_one":  # a kernel forgetting AutoGPTQ's stored-minus-one convention
+        q, zeros = qf.unpack_int4(qw)
+        _, qz = qf.pack_int4(q, zeros - 1)
+        return dataclasses.replace(qw, qzeros=qz)
+    if how == "next_group":  # a kernel reading group g + 1's scales and zeros for group g
+        return dataclasses.replace(qw, scales=qw.scales.roll(-1, 0).contiguous(), qzeros=qw.qzeros.roll(-1, 0))
+    if how == "g_idx_shifted":  # act-order: one block of 8 weights given the wrong group
+        gi = qw.g_idx.clone()
+        gi[8:16] = (gi[8:16] + 1) % qw.scales.shape[0]
+        return dataclasses.replace(qw, g_idx=gi)
+    if how == "int8_scale":  # one channel's scale 1% off
+        s = qw.scales.clone()
+        s[5] *= 1.01
+        return dataclasses.replace(qw, scales=s)
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "fmt,how",
+    [("int4", "zero_of_one_column_group"), ("int4", "zeros_without_plus_one"), ("int4", "next_group"),
+     ("int4_act", "g_idx_shifted"), ("int8", "int8_scale")],
+)  # fmt: skip
+def test_the_check_sees_a_wrong_zero_group_or_scale(fmt, how, dtype):
+    """The bound of test_gemm_against_the_reference fails when the kernel computes with a zero point or group off
+    by one (or an int8 scale 1% off, float32): the comparison can fail for the errors such a kernel would make."""
+    if how == "int8_scale" and dtype == torch.bfloat16:
+        pytest.skip("1% of one column is within two bf16 ulps")
+    kernel = kernel_for(fmt)
+    qw = quantized(fmt, 72, 384, "cpu")
+    x, _, _, bias = inputs(16, 72, 384, dtype)
+    ref = reference(x, qw, bias)
+    assert err(kernel(x, None, qw, bias), ref) < BOUND[dtype]
+    assert err(kernel(x, None, _tampered(qw, how), bias), ref) > 4 * BOUND[dtype], how
+
+
+def test_split_k_counters_are_left_zero_and_results_repeat():
+    """A split launch leaves its tile counters zero (the next launch, or a graph replay, starts clean) and gives the
+    same bits every time (the partials are summed in split order, whichever program finishes last)."""
+    from polyfuse.backends.triton import _qgemm
+    from polyfuse.backends.triton.gemm_gptq import gemm_gptq
+
+    qw = quantized("int4", 72, 384, "cpu")
+    x, _, _, bias = inputs(33, 72, 384, torch.float32)
+    first = gemm_gptq(x, None, qw, bias, SMALL_TILES, 3)
+    assert int(_qgemm.counters(x.device, 1).abs().sum()) == 0
+    assert torch.equal(gemm_gptq(x, None, qw, bias, SMALL_TILES, 3), first)
+    assert _qgemm.launch_plan(33, 72, 384, x.device, SMALL_TILES, 3)[0] == (3, 3, 3)  # N, M tiles, splits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
+    from polyfuse.backends.triton.dequant_mm import dequantize_q, linear_q
+
+    gen = torch.Generator().manual_seed(6)
+    weights = [quantized(f, 72, 320, "cpu") for f in ("int4", "int4_act", "int8")]
+    weights += [qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g) for g in (32, 192)]
+    for qw in weights:
+        w = dequantize_q(qw, dtype)
+        assert w.shape == qw.shape and w.dtype == dtype
+        assert torch.equal(w, qf.dequantize(qw, dtype)), (qw.format, qw.group_size, qw.act_order)
+    qw = weights[0]
+    x = torch.randn(2, 65, 320, generator=gen).to(dtype)  # prefill-sized: 130 rows
+    bias = torch.randn(72, generator=gen).to(dtype)
+    assert torch.equal(linear_q(x, qw, bias), F.linear(x, qf.dequantize(qw, dtype), bias))
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------------
+
+
+def nvidia_context():
+    from polyfuse.core.context import SelectionContext
+    from polyfuse.core.platform import Platform
+
+    return SelectionContext(
+        torch.device("cuda"), torch.bfloat16, platform=Platform("cuda", "cuda", "NVIDIA H200", (9, 0))
+    )
+
+
+def test_nvidia_chain_order():
+    ctx = nvidia_context()
+    lq, sq = registry.select("linear_q", ctx), registry.select("swiglu_linear_q", ctx)
+    assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "dequant_mm", "scaled_mm"]
+    assert [sq.implementation.name] + [i.name for i in sq.then] == ["gemv_q", "gemm_q"]
+    cpu = registry.select("linear_q", dataclasses.replace(ctx, device=torch.device("cpu"), platform=None))
+    assert cpu.implementation.name == registry.NATIVE
+
+
+def recording_kernels(calls):
+    """The NVIDIA selection's chains for linear_q / swiglu_linear_q (swiglu native), every implementation recording
+    its name when it takes a call, then running (on the CPU tensors, through the interpreter)."""
+    ctx = nvidia_context()
+
+    def rec(impl):
+        def fn(*a, _fn=impl.fn, _name=impl.name, **k):
+            calls.append(_name)
+            return _fn(*a, **k)
+
+        return dataclasses.replace(impl, fn=fn)
+
+    choices = {"swiglu": registry.Choice("swiglu", registry.implementations("swiglu")[-1], "reference")}
+    for op in ("linear_q", "swiglu_linear_q"):
+        c = registry.select(op, ctx)
+        choices[op] = registry.Choice(op, rec(c.implementation), c.reason, then=[rec(i) for i in c.then])
+    return registry.Kernels(choices, ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_which_implementation_takes_which_rows(dtype):
+    """One row: the GEMV; 2..64 rows of int4 / int8: the GEMM (SwiGLU folded); more rows: linear_q's dequantize
+    kernel + F.linear, and for swiglu_linear_q its composite (swiglu, then linear_q's same chain); other formats with
+    more than one row: scaled_mm where it takes them (fp8, bf16), else the native reference (nothing recorded).
+    Results equal the reference."""
+    from helpers import cpu_scaled_mm_missing
+
+    calls = []
+    kern = recording_kernels(calls)
+    gen = torch.Generator().manual_seed(8)
+    for fmt in ("int4", "int8", "gguf_q4_0", "fp8"):
+        qw = quantized(fmt, 48, 256, "cpu")
+        for m in (1, 2, 16, 64, 65, 130):
+            if m == 1:
+                want = "gemv_q"
+            elif fmt in ("int4", "int8"):
+                want = "gemm_q" if m <= 64 else "dequant_mm"
+            else:
+                want = "scaled_mm" if fmt == "fp8" and dtype == torch.bfloat16 else None
+            if want == "scaled_mm" and cpu_scaled_mm_missing():
+                continue
+            x, gate, up = (torch.randn(m, 256, generator=gen).to(dtype) for _ in range(3))
+            for op, args, act in (("linear_q", (x.view(1, m, 256),), x),
+                                  ("swiglu_linear_q", (gate.view(m, 1, 256), up.view(m, 1, 256)), F.silu(gate) * up)):  # fmt: skip
+                calls.clear()
+                y = getattr(kern, op)(*args, qw)
+                assert calls == ([want] if want else []), (op, fmt, m, calls)
+                if want != "scaled_mm":  # scaled_mm quantizes x too (test_quantization.py checks its arithmetic)
+                    assert err(y.view(m, 48), reference(act, qw)) < BOUND[dtype], (op, fmt, m)
+
+
+# ---- the model -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_batch_decode_through_the_gemm(quant, monkeypatch):
+    """Greedy decode of a batch of 3 on a quantized tiny Llama, every projection of 2..64 rows through the GEMM
+    (prefill 3 x 9 = 27 rows, then 3 rows per token; SwiGLU folded), gives the native reference's tokens."""
+    from helpers import tiny_config
+
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_config(tiny_config(intermediate_size=256, attention_bias=True), seed=5, quant=quant)
+    ids = torch.randint(10, 300, (3, 9), generator=torch.Generator().manual_seed(9))
+    want = model.generate(ids, max_new_tokens=4, ignore_eos=True)
+    from polyfuse.backends.triton import quant_gemm
+
+    calls, launched = [], []
+    real = quant_gemm._gemm
+    monkeypatch.setattr(quant_gemm, "_gemm", lambda x, *a: launched.append(x.shape) or real(x, *a))
+    for op in ("linear_q", "swiglu_linear_q"):
+        fn = registry.bound(op, "gemm_q")
+        setattr(model.kernels, op, lambda *a, _fn=fn, _op=op, **k: calls.append((_op, a[0].shape)) or _fn(*a, **k))
+    got = model.generate(ids, max_new_tokens=4, ignore_eos=True)
+    assert torch.equal(got, want)
+    assert ("swiglu_linear_q", torch.Size([3, 9, 256])) in calls and ("linear_q", torch.Size([3, 1, 64])) in calls
+    assert len(launched) == len(calls)  # none declined
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
+    """On the GPU in bf16 with the default chain: a forward of 4 x 9 rows (the GEMM) and of 2 x 100 rows (dequantize
+    + cuBLAS) against the same model with the native reference forced (-linear_q,-swiglu_linear_q)."""
+    from helpers import tiny_config
+
+    from polyfuse.engine.loading import set_kernels
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
+    model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", seed=5, quant=quant)
+    assert [i.name for i in model.kernels.choices["linear_q"].then][:2] == ["gemm_q", "dequant_mm"]
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randint(10, 300, s, generator=gen).cuda() for s in ((4, 9), (2, 100))]
+    with torch.inference_mode():
+        ours = [model(ids).logits.float() for ids in batches]
+        set_kernels(model, {}, "-linear_q,-swiglu_linear_q")
+        refs = [model(ids).logits.float() for ids in batches]
+    for a, b in zip(ours, refs):
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
+
+
+def test_benchmark_linear_quant_rows_smoke(monkeypatch):
+    """examples/benchmark_linear.py --quant's timing function on a small shape (the CUDA-graph timer replaced by two
+    calls, on the first and last weight copy): every kernel row is checked against the reference and timed, none reports an error."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark_linear.py")
+    spec = importlib.util.spec_from_file_location("benchmark_linear", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "graph_time", lambda fn, reps: [fn(0), fn(reps - 1)] and 1e-3)
+    monkeypatch.setattr(bench, "QCONFIGS", [(32, 64, 4, 2)])
+    args = type("Args", (), {"reshape": True, "qsweep": True})()
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(72, 256, generator=gen) * 0.05
+    for fmt, m in (("int4", 1), ("int4", 16), ("int8", 3)):
+        x, up = torch.randn(m, 256, generator=gen), torch.randn(m, 256, generator=gen)
+        logged = []
+        rows = bench.time_quantized(fmt, "t.down", 72, 256, m, w, x, up, args, logged.append)
+        assert not [r for r in logged if "error" in r], logged
+        want = {f"{fmt}_native", f"{fmt}_dequant_cublas", f"{fmt}_gemm", f"{fmt}_gemm_32x64_w4s2",
+                f"swiglu+{fmt}_dequant_cublas", f"swiglu+{fmt}_gemm"}  # fmt: skip
+        want |= {f"{fmt}_gemv", f"swiglu+{fmt}_gemv"} if m == 1 else set()
+        want |= {"int4_gemm_reshape"} if fmt == "int4" else set()
+        assert set(rows) == want, set(rows) ^ want
