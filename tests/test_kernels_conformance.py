@@ -41,6 +41,10 @@ GRAD_TOL = {
 REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays float32
     ("linear_cross_entropy", torch.float16)
 }
+# Implementations compared with the float32 reference in every dtype: swiglu_linear's training form rounds
+# silu(gate) * up once (the native op rounds silu first): at I = 14336 in bf16 that differs from the low-precision
+# reference by more than the bound (H200 run 17), while both are within it of the float32 result.
+REF_IN_FLOAT32_IMPLS = {("swiglu_linear", "triton_recompute")}
 # Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
 LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0, "swiglu_linear": 2.0, "swiglu_linear_q": 2.0}
 # float32 ops that sum long rows (K up to 14336) in another order than the library GEMM.
@@ -452,6 +456,9 @@ def _cotangents(outs, seed):
 def _upcast(make):
     def make32():
         args, kwargs, leaves = make()
+        if not leaves:  # forward-only cases: every floating input
+            up = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+            return up, kwargs, []
         new = {id(t): t.detach().float().requires_grad_(t.requires_grad) for t in leaves}
         args = tuple(new.get(id(a), a) for a in args)
         return args, kwargs, [new[id(t)] for t in leaves]
@@ -490,8 +497,13 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
     big = device == "cuda"
     side = SIDE_OUTPUTS.get(op)
     for case_id, make in CASES[op](device, dtype, big):
-        if (op, dtype) in REF_IN_FLOAT32 and impl.name != registry.NATIVE:
+        upcast = (op, dtype) in REF_IN_FLOAT32 or ((op, impl_name) in REF_IN_FLOAT32_IMPLS and dtype != torch.float32)
+        if upcast and case_id.startswith("train"):
+            upcast = (op, dtype) in REF_IN_FLOAT32  # gradient cases keep their low-precision reference
+        if upcast and impl.name != registry.NATIVE:
             ref_outs, ref_grads = _run(spec.native, _upcast(make), impl.supports_backward, dtype, side)
+            if (op, dtype) not in REF_IN_FLOAT32:  # the float32 result rounded once to the inputs' dtype
+                ref_outs = tuple(o.to(dtype) for o in ref_outs)
         else:
             ref_outs, ref_grads = _run(spec.native, make, impl.supports_backward, side=side)
         with monkeypatch.context() as m:

@@ -42,6 +42,18 @@ H200 = {
     (57344, 8192, False): (4, 4096, 8, 2),
     (8192, 28672, False): (4, 4096, 8, 2),
     (8192, 28672, True): (32, 512, 4, 3),
+    # One rank's shards under tensor parallelism over 2 GPUs (run 17): Llama-3-8B qkv, o, gate/up, down (plain and
+    # with SwiGLU), LM head; Llama-2-70B qkv, gate/up, down (its o shard stays on cuBLAS)
+    (3072, 4096, False): (4, 4096, 8, 2),
+    (4096, 2048, False): (8, 1024, 4, 2),
+    (14336, 4096, False): (4, 4096, 8, 2),
+    (4096, 7168, False): (8, 2048, 4, 3),
+    (4096, 7168, True): (8, 512, 8, 3),
+    (64128, 4096, False): (8, 2048, 4, 3),
+    (5120, 8192, False): (4, 4096, 8, 3),
+    (28672, 8192, False): (4, 4096, 8, 2),
+    (8192, 14336, False): (8, 2048, 4, 2),
+    (8192, 14336, True): (32, 512, 4, 2),
 }
 
 

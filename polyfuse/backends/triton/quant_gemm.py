@@ -48,6 +48,8 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     if up.shape != gate.shape or up.dtype != gate.dtype:
         return "gate and up differ in shape or dtype"
+    if gate.is_cuda:  # H200, 8B down projection: the fold took 187 us (int4) / 70 us (int8) against 50 / 28 without
+        return "the separate SwiGLU + GEMM is faster (measured)"
     return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
 
 

@@ -32,9 +32,17 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     return _refusal(x, qweight, bias)
 
 
+# Formats whose GEMV with SwiGLU folded into the activation load was slower on the H200 than the separate SwiGLU
+# kernel + the plain GEMV (benchmark_linear.py --quant, 8B down projection, one row: int4 52.8 vs 28.8 + ~3 us,
+# int8 31.4 vs 23.9 + 3, fp8 25.7 vs 21.1 + 3): the fold recomputes silu in every program. Declined to the composite.
+NO_FOLD = ("int4", "int8", "fp8")
+
+
 def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     if up.shape != gate.shape:
         return "gate and up shapes differ"
+    if qweight.format in NO_FOLD and gate.is_cuda:
+        return f"{qweight.format}: the separate SwiGLU + GEMV is faster (measured)"
     return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
 
 
