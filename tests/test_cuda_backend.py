@@ -78,9 +78,12 @@ def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(tr
         impl = kernels.choices[op].implementation
         if training and op == "linear":  # inference-only: training keeps F.linear and its autograd
             assert impl.name == registry.NATIVE
-        elif training:  # the down projection that recomputes silu(gate) * up in its backward
-            assert (impl.backend, impl.name) == ("triton", "triton_recompute")
-            assert "skipped triton_gemv" in kernels.choices[op].reason
+        elif training:  # the composite by default; the recompute form is opt-in (it trades speed for memory)
+            assert impl.name == registry.NATIVE and "opt-in" in dict(kernels.choices[op].skipped)["triton_recompute"]
+            opted = registry.resolve(
+                SelectionContext(CUDA, torch.bfloat16, training=True, overrides="swiglu_linear=triton_recompute")
+            )
+            assert opted.choices[op].implementation.name == "triton_recompute"
         else:
             assert (impl.backend, impl.name) == ("cuda", "triton_gemv")
             assert "triton_recompute" not in [i.name for i in kernels.choices[op].then]
@@ -126,10 +129,11 @@ def test_float64_falls_back_with_reason():
 def test_probe_values():
     impls = _cuda_impls()
     for impl in impls.values():
-        training = impl.name == "triton_recompute"  # training only
-        ok = SelectionContext(CUDA, torch.bfloat16, training=training)
+        training = impl.name == "triton_recompute"  # training only, opt-in
+        opt_in = "swiglu_linear=triton_recompute" if training else ""
+        ok = SelectionContext(CUDA, torch.bfloat16, training=training, overrides=opt_in)
         assert impl.unusable_reason(ok) is None, impl.name
-        f64 = SelectionContext(CUDA, torch.float64, training=training)
+        f64 = SelectionContext(CUDA, torch.float64, training=training, overrides=opt_in)
         assert impl.unusable_reason(f64) == "dtype float64 unsupported"
         cpu = SelectionContext(torch.device("cpu"), torch.float32, training=training)
         assert "needs device cuda" in impl.unusable_reason(cpu)
