@@ -13,10 +13,12 @@ STAMP := $(VENV)/.installed
 # 1.21.2 (transformers>=4.55,<4.56; accelerate>=1.7,<=1.10.1) pin, in its own venv; `make test-compat` runs the same
 # CPU suite there (lint is `make test`'s). numpy<2.4: triton 3.3.1's interpreter, which runs the CPU tests' Triton
 # kernels, breaks on numpy 2.4. torch 2.7.1 brings triton 3.3.1 on Linux. setuptools>=77 (PEP 639 license strings):
-# tests/test_plugins.py builds the out-of-tree example backend without build isolation.
+# tests/test_plugins.py builds the out-of-tree example backend without build isolation. peft 0.17.1: the LoRA tests
+# (the release current with transformers 4.55; tests/test_lora.py passes with it there).
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
-COMPAT_PINS := torch==2.7.1 transformers==4.55.4 accelerate==1.10.1 "numpy<2.4" safetensors gguf pytest "setuptools>=77"
+COMPAT_PINS := torch==2.7.1 transformers==4.55.4 accelerate==1.10.1 peft==0.17.1 "numpy<2.4" safetensors gguf pytest \
+	"setuptools>=77"
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
 .PHONY: venv demo test test-compat test-cuda test-hpu style lint bench clean

@@ -9,6 +9,18 @@ All of transformers' TrainingArguments work, plus polyfuse's: --use_flash_attent
 --flash_attention_causal_mask, --use_fused_rms_norm/--use_fused_rope/--use_fused_swiglu/--use_fused_linear_cross_entropy
 (default on; pass False to turn off), --polyfuse_ops, --use_habana, --use_lazy_mode, --gaudi_config_name.
 The saved folder loads with transformers.AutoModelForCausalLM.from_pretrained.
+
+LoRA through PEFT (pip install 'polyfuse[lora]'), with either --model_impl, as optimum-habana's run_lora_clm.py:
+
+    python examples/run_clm.py --lora_rank 8 --lora_alpha 16 --lora_dropout 0.05 \
+        --lora_target_modules q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --output_dir out ...
+
+The output folder then holds PEFT's adapter (adapter_config.json, adapter_model.safetensors), which
+peft.PeftModel.from_pretrained loads onto the base model (transformers' or polyfuse's).
+
+Several devices, FSDP2 through the Trainer's arguments (docs/training.md, "FSDP2"; rank 0 prints, one error line):
+
+    torchrun --nproc-per-node 8 examples/run_clm.py --fsdp "full_shard auto_wrap" --fsdp_config fsdp2.json ...
 """
 
 from __future__ import annotations
@@ -28,7 +40,9 @@ try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 13
     import torch
     from transformers import HfArgumentParser, default_data_collator
 
+    from polyfuse.distributed.launch import distributed_entry
     from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments
+    from polyfuse.training.fsdp import agree_ranks
 except KeyboardInterrupt:
     print("run_clm.py: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
@@ -37,6 +51,9 @@ except KeyboardInterrupt:
 PROG = "run_clm.py"
 DEFAULT_DATA = str(Path(__file__).resolve().parent / "data" / "tiny_corpus.txt")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# transformers' Llama projection names: PEFT's target_modules on both --model_impl (polyfuse's fused qkv_proj and
+# gate_up_proj expose q/k/v_proj and gate/up_proj as slices, polyfuse/models/projection_slice.py)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -56,6 +73,13 @@ class ScriptArguments:
     model_impl: str = field(
         default="transformers",
         metadata={"help": "'transformers' (patched in place with polyfuse.patch) or 'polyfuse' (polyfuse's Llama)."},
+    )
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank through PEFT (0: no LoRA, full fine-tuning)."})
+    lora_alpha: float = field(default=16, metadata={"help": "LoRA alpha (the adapter is scaled by alpha / rank)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA adapters' input."})
+    lora_target_modules: str = field(
+        default="q_proj,v_proj",
+        metadata={"help": f"Comma list of the projections LoRA adapts, from: {', '.join(LORA_MODULES)}."},
     )
 
 
@@ -87,7 +111,47 @@ def parse_args(argv=None):
         _fail(f"--train_file {script.train_file!r} does not exist")
     if script.model_name_or_path is not None and not os.path.isdir(script.model_name_or_path):
         _fail(f"--model_name_or_path {script.model_name_or_path!r} is not a local folder (no hub downloads)")
+    _check_lora(script)
     return script, targs
+
+
+def lora_targets(script: ScriptArguments) -> list:
+    return [m.strip() for m in script.lora_target_modules.split(",") if m.strip()]
+
+
+def _check_lora(script: ScriptArguments) -> None:
+    if script.lora_rank < 0:
+        _fail(f"--lora_rank must be >= 0 (0: no LoRA), got {script.lora_rank}")
+    if script.lora_rank == 0:
+        return
+    if not 0 <= script.lora_dropout < 1:
+        _fail(f"--lora_dropout must be in [0, 1), got {script.lora_dropout}")
+    targets = lora_targets(script)
+    unknown = [m for m in targets if m not in LORA_MODULES]
+    if unknown or not targets:
+        _fail(f"--lora_target_modules: unknown module {', '.join(map(repr, unknown)) or 'list (empty)'}; "
+              f"choose from {', '.join(LORA_MODULES)}")  # fmt: skip
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        _fail("--lora_rank needs peft: pip install 'polyfuse[lora]' (or pip install peft)")
+
+
+def add_lora(model, script: ScriptArguments, targs: PolyfuseTrainingArguments):
+    """The model wrapped by PEFT's LoRA (its base weights frozen), as optimum-habana's run_lora_clm.py does."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    if targs.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+        # transformers' reentrant checkpointing (the 4.x default) needs an input that requires grad, and the frozen
+        # embedding gives none (run_lora_clm.py does the same); polyfuse's checkpointing is non-reentrant.
+        model.enable_input_require_grads()
+    config = LoraConfig(
+        r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout,
+        target_modules=lora_targets(script), bias="none", task_type=TaskType.CAUSAL_LM,
+    )  # fmt: skip
+    model = get_peft_model(model, config)
+    model.print_trainable_parameters()
+    return model
 
 
 def _parse_overrides(text: str) -> dict:
@@ -137,6 +201,9 @@ def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArg
                 config, dtype=dtype, device=targs.device, flags=targs.polyfuse_flags(),
                 overrides=targs.polyfuse_overrides(), training=True,
             ), tokenizer  # fmt: skip
+        from transformers import set_seed
+
+        set_seed(targs.seed)  # the same random weights on every rank (FSDP2 shards each rank's own copy)
         with _rope_checked(config):
             return AutoModelForCausalLM.from_config(config, **{DTYPE_KW: dtype}), tokenizer
     if script.model_impl == "polyfuse":
@@ -185,6 +252,7 @@ def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
     return [{"input_ids": b, "attention_mask": [1] * block_size, "labels": list(b)} for b in blocks]
 
 
+@distributed_entry(tensor_parallel=False)  # under torchrun: rank 0 speaks, every rank exits promptly on an error
 def main(argv=None) -> int:
     script, targs = parse_args(argv)
     try:
@@ -196,7 +264,16 @@ def main(argv=None) -> int:
 
 
 def train(script, targs) -> int:
-    model, tokenizer = load_model_and_tokenizer(script, targs)
+    model = tokenizer = error = None
+    try:
+        model, tokenizer = load_model_and_tokenizer(script, targs)
+    except (ValueError, OSError) as e:
+        error = e
+    # Several processes (torchrun): one rank's load error, or ranks given different models or arguments, become the
+    # same error on every rank (printed by rank 0) instead of a peer waiting in a collective. One process: re-raised.
+    agree_ranks(targs, error, model)
+    if script.lora_rank > 0:
+        model = add_lora(model, script, targs)
     train_dataset = build_dataset(tokenizer, script.train_file, script.block_size)
     trainer = PolyfuseTrainer(
         model=model, args=targs, train_dataset=train_dataset, data_collator=default_data_collator,

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
@@ -87,3 +89,25 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
     assert peak == 150 and set(live) == {1, 2}
     assert _site(fr) == "polyfuse/models/decoder.py:7 block"
     assert _site([]) == "(no frames)"
+
+
+def test_benchmark_lora_tiny(tmp_path):
+    """examples/benchmark_lora.py: polyfuse + PEFT and transformers + PEFT, the same adapter size, a ratio line."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    proc = _run([
+        "examples/benchmark_lora.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "--gradient_checkpointing", "--output", str(out),
+    ])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["shape"] == "tiny" and res["lora"]["rank"] == 16 and len(res["lora"]["target_modules"]) == 7
+    cases = [c for c in res["cases"] if "tokens_per_s" in c]
+    assert sorted((c["variant"], c["batch"], c["seq"]) for c in cases) == [
+        ("polyfuse", 1, 32), ("polyfuse", 2, 32), ("transformers", 1, 32), ("transformers", 2, 32)
+    ]  # fmt: skip
+    # rank 16 on q/k/v/o/gate/up/down of the tiny shape's 2 layers; the same count on both
+    assert {c["trainable_params"] for c in cases} == {32768}
+    assert all(math.isfinite(c["tokens_per_s"]) and c["tokens_per_s"] > 0 and c["loss"] > 0 for c in cases)
+    assert [(r["seq"], r["batch"]) for r in res["ratios"]] == [(32, 1), (32, 2)]
+    assert all(r["tokens_per_s_ratio"] > 0 and r["peak_mem_ratio"] is None for r in res["ratios"])
+    assert "ratio tiny LoRA seq 32 batch 2: polyfuse/transformers tokens/s" in proc.stdout

@@ -28,23 +28,38 @@ from polyfuse.core.errors import one_line
 from polyfuse.distributed.context import request_from_env, shutdown, world_size_from_env
 
 
-def distributed_entry(main):
+def distributed_entry(main=None, *, tensor_parallel: bool = True):
+    """``tensor_parallel=False`` (training: run_clm.py, whose data-parallel / FSDP2 process group is the Trainer's):
+    the same rank-0 output and prompt exits, without asking for tensor-parallel model builds."""
+    if main is None:
+        return functools.partial(distributed_entry, tensor_parallel=tensor_parallel)
+
     @functools.wraps(main)
     def wrapper(argv=None):
         if world_size_from_env() <= 1:
             return main(argv)
-        return _ranked(main, argv)
+        return _ranked(main, argv, tensor_parallel)
 
     return wrapper
 
 
-def _ranked(main, argv) -> int:
+def _ranked(main, argv, tensor_parallel: bool = True) -> int:
     rank = int(os.environ.get("RANK", "0"))
     stderr = sys.stderr
     if rank != 0:
+        # Quiet at the file descriptors too: logging handlers made at import (transformers' warnings) and torch's C++
+        # warnings write there, not to sys.stderr. ``stderr`` keeps the original for this rank's own error line.
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        stderr = os.fdopen(os.dup(2), "w")
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
         quiet = open(os.devnull, "w")
         sys.stdout = sys.stderr = quiet
-    request_from_env()
+    if tensor_parallel:
+        request_from_env()
     try:
         code = main(argv)
         code = 0 if code is None else int(code)

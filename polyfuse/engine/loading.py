@@ -78,15 +78,17 @@ def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, over
     return model
 
 
-def set_kernels(model, flags: dict, overrides: str = "", training: bool = False):
-    """(Re)resolve the model's kernels for its device and dtype and the run's flags. A device-specific flag the
-    device does not honour is turned off with one warning naming what runs instead (as the CLI does)."""
-    flags, warnings = check_flags(model.device.type, flags)
+def set_kernels(model, flags: dict, overrides: str = "", training: bool = False, device=None):
+    """(Re)resolve the model's kernels for its device (or ``device``: where it is going to run, e.g. a model built
+    in host memory that FSDP2 shards onto the GPU) and dtype and the run's flags. A device-specific flag the device
+    does not honour is turned off with one warning naming what runs instead (as the CLI does)."""
+    device = model.device if device is None else torch.device(device)
+    flags, warnings = check_flags(device.type, flags)
     for w in warnings:
         logger.warning("warning: %s", w)
-    ctx = SelectionContext(model.device, model.dtype, dict(flags), training, overrides)
+    ctx = SelectionContext(device, model.dtype, dict(flags), training, overrides)
     model.kernels = resolve(ctx)
-    model.runtime = get_runtime(model.device)
+    model.runtime = get_runtime(device)
     model.flags = dict(flags)
     model.attention_options = options_from_flags(flags)
     if flags.get("torch_compile"):
@@ -180,22 +182,25 @@ def expected_hf_names(model) -> list[str]:
     return [n for n, _ in _state_items(model)]
 
 
-def hf_state_items(model):
-    """(HF name, tensor view) for every weight, splitting the fused projections back."""
+def hf_state_items(model, params=None):
+    """(HF name, tensor view) for every weight, splitting the fused projections back. ``params``: (name, tensor)
+    pairs in the model's own names to write instead of its parameters (a full state dict gathered from FSDP2
+    shards, polyfuse/training/fsdp.py)."""
     if tp_shards(model)[0]:
         raise TensorParallelError("a tensor-parallel model holds one rank's shard; save it from a world-size-1 build")
-    return _state_items(model)
+    return _state_items(model, params)
 
 
-def _state_items(model):
+def _state_items(model, params=None):
     fused = model.fused_projections()
-    for name, param in model.named_parameters():
+    named = ((n, p.data) for n, p in model.named_parameters()) if params is None else params
+    for name, data in named:
         hit = next(((f, parts) for f, parts in fused.items() if f".{f}." in name), None)
         if hit is None:
-            yield name, param.data
+            yield name, data
             continue
         frag, parts = hit
-        for (part, _), chunk in zip(parts, param.data.split([s for _, s in parts], dim=0)):
+        for (part, _), chunk in zip(parts, data.split([s for _, s in parts], dim=0)):
             yield name.replace(frag, part), chunk
 
 
@@ -281,6 +286,7 @@ def from_pretrained(
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0
+    model.name_or_path = str(path)  # as transformers' models: PEFT writes it to adapter_config.json
     return model
 
 

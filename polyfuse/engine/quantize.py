@@ -95,8 +95,13 @@ def quantized_modules(model) -> dict[str, QLinear]:
 
 
 def _candidates(model) -> list[tuple[str, nn.Linear]]:
+    """The dense projections: Linears holding a weight of their own (not the parameter-free q/k/v/gate/up views of
+    the fused projections, models/projection_slice.py), the LM head excepted."""
     head = model.get_output_embeddings()
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    return [
+        (n, m) for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and "weight" in m._parameters and m is not head
+    ]  # fmt: skip
 
 
 def _parts(model, name: str, rows: int) -> list[tuple[str, int]]:

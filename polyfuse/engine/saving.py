@@ -31,7 +31,9 @@ def _previous_weight_files(path: str) -> list[str]:
     return sorted(f for f in files if os.path.isfile(f)) + ([index] if os.path.isfile(index) else [])
 
 
-def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
+def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30, params=None) -> None:
+    """``params``: (name, tensor) pairs in the model's own names written instead of its parameters (the full state
+    dict FSDP2 gathers on rank 0; a sharded model's parameters hold one rank's part)."""
     from safetensors.torch import save_file
 
     path = os.fspath(path)
@@ -46,7 +48,8 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
     try:
         config.save_pretrained(staging)
         shards, current, size = [], {}, 0
-        for name, t in [*hf_state_items(model), *quantized_state_items(model)]:  # packed weights: quantize.py
+        packed = quantized_state_items(model) if params is None else []  # packed weights: quantize.py
+        for name, t in [*hf_state_items(model, params), *packed]:
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             if current and size + t.numel() * t.element_size() > max_shard_bytes:

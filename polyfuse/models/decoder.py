@@ -24,6 +24,7 @@ from polyfuse.engine import loading, saving
 from polyfuse.engine.config import config_from_dict, head_dim
 from polyfuse.engine.quantize import QLinear
 from polyfuse.engine.rope import RotaryEmbedding
+from polyfuse.models.projection_slice import ProjectionSlice, fused_slices_intact
 from polyfuse.ops.attention import AttentionMeta, cache_mask
 
 
@@ -54,14 +55,38 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
 
+    def forward(self, x, f: Forward, residual=None):
+        """``rms_norm(x)``, or with ``residual`` ``add_rms_norm(x, residual)``'s normalized sum. The model's final
+        norm is called as a module (a layer's norms are read inside the layer's call): hooks on it run, so FSDP2
+        unshards its weight whichever group wraps it (accelerate puts it with the LM head)."""
+        if residual is None:
+            return f.ops.rms_norm(x, self.weight, self.eps)
+        return f.ops.add_rms_norm(x, residual, self.weight, self.eps)[0]
+
+
+class LMHead(nn.Linear):
+    """The output projection (an ``nn.Linear``, weight ``lm_head.weight``). ``head(h)`` gives the logits;
+    ``head(h, labels, kernels)`` the mean of the fused linear cross-entropy over ``labels`` (-100 ignored), the
+    [tokens, vocab] logits never materialized. The loss goes through the module's call too, not a bare read of
+    ``weight``, so hooks on the head (FSDP2's unshard before, reshard after) run for it."""
+
+    def forward(self, h, labels=None, kernels=None):
+        if labels is None:
+            return super().forward(h)
+        return kernels.linear_cross_entropy(h, self.weight, labels, -100, "mean")
+
 
 def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
     projection is dispatched. A quantized layer (engine/quantize.py ``QLinear``) goes to the ``linear_q`` ops with
-    its packed weight, any other to the ``linear`` ops with its weight."""
+    its packed weight, a plain ``nn.Linear`` (or a ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its
+    weight. Any other module (a PEFT ``lora.Linear`` wrapping the projection, a Linear subclass with a forward of
+    its own) is called, so what it adds to the projection is kept; the down projection's SwiGLU is computed first."""
     if isinstance(layer, QLinear):
         qw = layer.quantized_weight()
         return f.ops.linear_q(x, qw, layer.bias) if up is None else f.ops.swiglu_linear_q(x, up, qw, layer.bias)
+    if not (isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward):
+        return layer(x if up is None else f.ops.swiglu(x, up))
     if up is None:
         return f.ops.linear(x, layer.weight, layer.bias)
     return f.ops.swiglu_linear(x, up, layer.weight, layer.bias)
@@ -95,13 +120,24 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias or self.qkv_bias_default
         )
+        # transformers' q/k/v_proj as parameter-free row slices of qkv_proj (projection_slice.py): PEFT's
+        # target_modules find them by those names. Registered in transformers' module order (q, k, v, o), so PEFT
+        # wraps and initializes the adapters in the same order as on transformers' Llama.
+        q, kv = self.q_size, self.kv_size
+        self.q_proj = ProjectionSlice(self, "qkv_proj", 0, q)
+        self.k_proj = ProjectionSlice(self, "qkv_proj", q, q + kv)
+        self.v_proj = ProjectionSlice(self, "qkv_proj", q + kv, q + 2 * kv)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.window = layer_window(config, layer_idx)
 
     def heads(self, x, f: Forward):
-        """q, k, v as [B, L, heads, D] (a family that normalizes heads overrides this)."""
+        """q, k, v as [B, L, heads, D] (a family that normalizes heads extends this): one fused qkv_proj GEMM while
+        q/k/v_proj are its bare slices, else each through its own module (a PEFT adapter on some of them)."""
         b, n, _ = x.shape
-        q, k, v = project(f, self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if fused_slices_intact(self.qkv_proj, self.q_proj, self.k_proj, self.v_proj):
+            q, k, v = project(f, self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q, k, v = (project(f, m, x) for m in (self.q_proj, self.k_proj, self.v_proj))
         return (
             q.view(b, n, self.n_heads, self.head_dim),
             k.view(b, n, self.n_kv, self.head_dim),
@@ -132,11 +168,17 @@ class MLP(nn.Module):
         self.inter = len(self.columns)
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
+        # transformers' gate/up_proj as parameter-free row slices of gate_up_proj (see Attention), then down_proj
+        self.gate_proj = ProjectionSlice(self, "gate_up_proj", 0, self.inter)
+        self.up_proj = ProjectionSlice(self, "gate_up_proj", self.inter, 2 * self.inter)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x, f: Forward):
-        gate_up = project(f, self.gate_up_proj, x)
-        gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
+        if fused_slices_intact(self.gate_up_proj, self.gate_proj, self.up_proj):
+            gate_up = project(f, self.gate_up_proj, x)
+            gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
+        else:
+            gate, up = project(f, self.gate_proj, x), project(f, self.up_proj, x)
         out = project(f, self.down_proj, gate, up)
         return out if self.group is None else f.ops.all_reduce(out, self.group)  # row-parallel down_proj
 
@@ -194,6 +236,10 @@ class DecoderForCausalLM(nn.Module):
     hf_architecture = ""  # transformers' class name, written to config.json on save
     attention_cls = Attention
     supports_gradient_checkpointing = True
+    # What accelerate's FSDP2 preparation reads from transformers' models: the class each ``fully_shard`` unit is
+    # (TRANSFORMER_BASED_WRAP's default ``transformer_layer_cls_to_wrap``) and where the final norm lives.
+    _no_split_modules = ["DecoderLayer"]
+    base_model_prefix = "model"
 
     def __init__(self, config, tp=None):
         super().__init__()
@@ -208,7 +254,7 @@ class DecoderForCausalLM(nn.Module):
             check_columns("vocabulary", config.vocab_size, self.tp.world_size)
             self.vocab = split(config.vocab_size, self.tp.world_size, self.tp.rank)
         vocab = config.vocab_size if self.vocab is None else len(self.vocab)
-        self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = LMHead(config.hidden_size, vocab, bias=False)
         self.tie_weights()
         self.windows = sorted({layer.self_attn.window for layer in self.model.layers}, key=lambda w: w or 0)
         self.kernels = None  # polyfuse.core.Kernels, set by the loader
@@ -217,6 +263,9 @@ class DecoderForCausalLM(nn.Module):
         self.cache = None  # polyfuse.engine.kv_cache.StaticKVCache, allocated by the engine
         self.attention_options: dict = {}
         self.gradient_checkpointing = False
+        # transformers' attribute, which PEFT's PeftModelForCausalLM.generate sets and reads; polyfuse's generate
+        # takes its options as arguments and never reads it.
+        self.generation_config = None
 
     # -- building (engine/protocol.py) ---------------------------------------------------------------------------
 
@@ -276,12 +325,32 @@ class DecoderForCausalLM(nn.Module):
 
     # -- transformers' API ---------------------------------------------------------------------------------------
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Trainer's ``gradient_checkpointing=True`` calls it: each decoder block is recomputed in the backward."""
+    def gradient_checkpointing_enable(
+        self, gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False
+    ) -> None:
+        """Trainer's ``gradient_checkpointing=True`` calls it (transformers 5.x: ``activation_checkpointing_enable``,
+        with ``every_n_layers`` and ``offload``): each decoder block is recomputed in the backward. Every layer, with
+        its input kept on the device: other ``every_n_layers`` / ``offload`` values are refused."""
+        if every_n_layers != 1 or offload:
+            raise ValueError(
+                f"polyfuse's decoder checkpoints every layer and keeps its input on the device (every_n_layers=1, "
+                f"offload=False), not every_n_layers={every_n_layers}, offload={offload}"
+            )
         self.gradient_checkpointing = True
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        self.gradient_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload)
 
     def gradient_checkpointing_disable(self) -> None:
         self.gradient_checkpointing = False
+
+    activation_checkpointing_disable = gradient_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """transformers' flag; PEFT reads it when wrapping (True: it makes the embedding output require grad, which a
+        non-reentrant checkpoint, as polyfuse's, does not need)."""
+        return self.gradient_checkpointing
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -301,6 +370,11 @@ class DecoderForCausalLM(nn.Module):
         from polyfuse.engine.generation import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs) -> dict:
+        """transformers' hook: PEFT's ``PeftModelForCausalLM`` reads it when it wraps a model (LoRA with
+        ``task_type="CAUSAL_LM"``). polyfuse's ``generate`` never calls it (the engine feeds its own steps)."""
+        return {"input_ids": input_ids, **kwargs}
 
     # -- the forward ---------------------------------------------------------------------------------------------
 
@@ -336,12 +410,12 @@ class DecoderForCausalLM(nn.Module):
             x = pending
             for layer in m.layers:
                 x = torch.utils.checkpoint.checkpoint(layer, x, None, f, stream=True, use_reentrant=False)
-            return f.ops.rms_norm(x, m.norm.weight, m.norm.eps)
+            return m.norm(x, f)
         for layer in m.layers:
             if hook is not None:
                 hook()
             pending, residual = layer(pending, residual, f)
-        return f.ops.add_rms_norm(pending, residual, m.norm.weight, m.norm.eps)[0]
+        return m.norm(pending, f, residual)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
         """Full-sequence forward without a cache (training, scoring). With ``labels`` the loss is computed by the
@@ -362,7 +436,7 @@ class DecoderForCausalLM(nn.Module):
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
-        loss = self.kernels.linear_cross_entropy(shift_h, self.lm_head.weight, shift_labels, -100, "mean")
+        loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
         return CausalLMOutput(loss=loss)
 
     # -- the engine's side (engine/protocol.py) -----------------------------------------------------------------

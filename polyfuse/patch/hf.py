@@ -179,9 +179,22 @@ def _lm_head_weight(lm_head: nn.Module) -> Optional[torch.Tensor]:
             lm_head = lm_head.modules_to_save[active]
         elif hasattr(lm_head, "original_module"):
             lm_head = lm_head.original_module
-    if type(lm_head) is nn.Linear and lm_head.bias is None:
+    if _unsharded_type(lm_head) is nn.Linear and lm_head.bias is None:
         return lm_head.weight
     return None
+
+
+def _unsharded_type(module: nn.Module) -> type:
+    """The module's class; for a module FSDP2's ``fully_shard`` wrapped (its class swapped for ``FSDP<Class>``, a
+    subclass of ``FSDPModule`` and the original) the original class, so a sharded plain head keeps the fused loss."""
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return cls
+    if issubclass(cls, FSDPModule) and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[1]
+    return cls
 
 
 def _causal_lm_forward(kernels: Kernels):

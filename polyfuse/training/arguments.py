@@ -4,12 +4,14 @@ optimum-habana's names and meanings (``use_habana``, ``use_lazy_mode``, ``gaudi_
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from transformers import TrainingArguments
 
-from polyfuse.core.platform import hpu_available
+from polyfuse.core.platform import default_device_type, hpu_available
+from polyfuse.distributed.context import world_size_from_env
 
 
 # use_fused_* flag -> the registry ops it controls (off -> "-op", i.e. the native reference).
@@ -57,7 +59,37 @@ class PolyfuseTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         self._validate_polyfuse()
+        if not self.use_cpu and not self.use_habana and world_size_from_env() > 1 and default_device_type() == "cpu":
+            # torchrun on a machine without an accelerator: without use_cpu accelerate sees no distributed setup and
+            # every process would train alone; with it, the processes join one gloo group (DDP, or FSDP2).
+            self.use_cpu = True
+        if self.use_cpu and world_size_from_env() > 1 and self.ddp_backend in (None, "gloo"):
+            self._join_gloo_group()
         super().__post_init__()
+        from polyfuse.training.fsdp import validate_args
+
+        validate_args(self)  # FSDP settings polyfuse cannot honour: one ValueError line
+
+    def _join_gloo_group(self) -> None:
+        """A CPU run under torchrun joins its gloo group here, waiting at most ``ddp_timeout`` seconds for the other
+        ranks: accelerate's CPU path passes no timeout (torch's default is 30 minutes), so a rank that never comes
+        would keep the others waiting. A group that does not form is one error naming the ranks."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        try:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=self.ddp_timeout))
+        except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError: the rendezvous failed
+            from polyfuse.core.errors import one_line
+
+            rank, world = os.environ.get("RANK", "?"), world_size_from_env()
+            raise RuntimeError(
+                f"rank {rank} of {world}: the ranks did not all join within --ddp_timeout {self.ddp_timeout} s "
+                f"(a rank unreachable or not started?): {one_line(e)}"
+            ) from None
 
     def _validate_polyfuse(self) -> None:
         from polyfuse.core import registry
@@ -68,6 +100,16 @@ class PolyfuseTrainingArguments(TrainingArguments):
             raise ValueError("--gaudi_config_name can only be used with --use_habana (it configures Gaudi training)")
         if self.use_habana and not hpu_available():
             raise ValueError("--use_habana needs an Intel Gaudi and habana_frameworks; neither HPU nor package found")
+        if self.deepspeed:  # passed through to transformers' DeepSpeed integration, which needs the package
+            import importlib.util
+
+            if importlib.util.find_spec("deepspeed") is None:
+                raise ValueError(
+                    "--deepspeed needs DeepSpeed: pip install deepspeed (on Gaudi, Habana's fork: "
+                    "pip install git+https://github.com/HabanaAI/DeepSpeed.git)"
+                )
+            if self.fsdp:
+                raise ValueError("--deepspeed and --fsdp cannot be used together: choose one")
         if (self.flash_attention_recompute or self.flash_attention_causal_mask) and not self.use_flash_attention:
             raise ValueError("--flash_attention_recompute / --flash_attention_causal_mask need --use_flash_attention")
         if self.use_habana:

@@ -1,7 +1,8 @@
 """``PolyfuseTrainer``: transformers' Trainer whose model runs through the op registry in training mode.
 
-* a polyfuse ``LlamaForCausalLM`` gets its kernels resolved with ``training=True``; a transformers Llama (plain or
-  PEFT-wrapped) is patched in place with ``polyfuse.patch``; anything else trains unchanged (with a warning);
+* a polyfuse ``LlamaForCausalLM`` (plain, or PEFT-wrapped: LoRA, saved as PEFT's adapter) gets its kernels resolved
+  with ``training=True``; a transformers Llama (plain or PEFT-wrapped) is patched in place with ``polyfuse.patch``;
+  anything else trains unchanged (with a warning);
 * optimizer: torch's fused AdamW on CUDA (transformers' ``adamw_torch_fused``, the default with torch >= 2.8);
   on Gaudi, Habana's FusedAdamW / FusedClipNorm when the gaudi config asks for them (``use_fused_adam``,
   ``use_fused_clip_norm``) and ``use_torch_autocast``/``--bf16`` as HPU autocast, like optimum-habana's GaudiTrainer;
@@ -25,6 +26,7 @@ from transformers import Trainer, TrainerCallback
 
 from polyfuse.core.registry import Kernels
 from polyfuse.core.runtime import get_runtime
+from polyfuse.training import fsdp as _fsdp
 from polyfuse.training.arguments import PolyfuseTrainingArguments
 from polyfuse.training.gaudi_config import GaudiConfig
 
@@ -36,10 +38,17 @@ _CREATE_OPTIMIZER_TAKES_MODEL = "model" in inspect.signature(Trainer.create_opti
 _TRAINER_HAS_CLIP_HOOK = hasattr(Trainer, "_clip_grad_norm")
 
 
-def _is_polyfuse_model(model: nn.Module) -> bool:
+def _polyfuse_base(model: nn.Module):
+    """polyfuse's model: ``model`` itself, or the model inside a PEFT wrapper (``get_base_model()``); else None."""
     from polyfuse.models.decoder import DecoderForCausalLM
 
-    return isinstance(model, DecoderForCausalLM)
+    if not isinstance(model, DecoderForCausalLM) and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
+    return model if isinstance(model, DecoderForCausalLM) else None
+
+
+def _is_polyfuse_model(model: nn.Module) -> bool:
+    return _polyfuse_base(model) is not None
 
 
 class _StepBoundary(TrainerCallback):
@@ -71,7 +80,8 @@ class PolyfuseTrainer(Trainer):
             args.bf16 = False  # like GaudiTrainer: bf16 becomes HPU autocast, not accelerate's mixed precision
         self.runtime = get_runtime(args.device)
         self.polyfuse_kernels: Optional[Kernels] = None
-        self._polyfuse_model = False
+        self._polyfuse_model = False  # polyfuse's bare model: saved and loaded through polyfuse (_save_polyfuse)
+        self._polyfuse_peft = False  # polyfuse's model in a PEFT wrapper: Trainer saves/loads PEFT's adapter
         self._polyfuse_report = self._prepare_model(model, args)
         self._report_printed = False
         self._fused_clip = None
@@ -79,8 +89,10 @@ class PolyfuseTrainer(Trainer):
         self._tokens_since_log = 0
         self._last_log_time = None
         self._train_start_time = None
+        _fsdp.check_model(model, args)  # FSDP2: more processes than decoder layers is refused before sharding
+        _fsdp.prepare_zero3(model, args)  # --deepspeed with ZeRO-3: the fused paths' weight reads get gathered
         super().__init__(model, args, *a, **kw)
-        if self._polyfuse_model:
+        if self._polyfuse_model or self._polyfuse_peft:
             # polyfuse's forward returns a mean loss and ignores num_items_in_batch: let the Trainer scale it.
             self.model_accepts_loss_kwargs = False
         if args.use_habana and args.use_lazy_mode:
@@ -91,11 +103,13 @@ class PolyfuseTrainer(Trainer):
     def _prepare_model(self, model: nn.Module, args: PolyfuseTrainingArguments) -> str:
         flags, overrides = args.polyfuse_flags(), args.polyfuse_overrides()
         device = args.device
-        if _is_polyfuse_model(model):
+        base = _polyfuse_base(model)
+        if base is not None:
             from polyfuse.engine.loading import set_kernels
 
-            self._polyfuse_model = True
-            kernels = self.polyfuse_kernels = set_kernels(model, flags, overrides, training=True)
+            self._polyfuse_model, self._polyfuse_peft = base is model, base is not model
+            # for the training device: the model may still be in host memory (FSDP2 moves each rank's shard there)
+            kernels = self.polyfuse_kernels = set_kernels(base, flags, overrides, training=True, device=device)
             return kernels.report()
         from polyfuse.patch.families import find_family
 
@@ -145,8 +159,17 @@ class PolyfuseTrainer(Trainer):
             return stack
         return super().compute_loss_context_manager()
 
+    def _fsdp(self) -> bool:
+        """FSDP2 shards the parameters: each rank holds its part as a DTensor."""
+        return bool(getattr(self, "is_fsdp_enabled", False))
+
     def create_optimizer(self, model=None):
-        if self.optimizer is None and self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_adam:
+        fused_adam = self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_adam
+        if self.optimizer is None and fused_adam and self._fsdp():
+            # FSDP2's parameters are DTensors (a rank's shard) and Habana's fused kernels take plain tensors (not
+            # verified on a Gaudi); torch's AdamW steps DTensors.
+            logger.warning("polyfuse: use_fused_adam is not used with FSDP2; using %s", self.args.optim)
+        elif self.optimizer is None and fused_adam:
             fused = self.runtime.fused_optimizer
             model = model if model is not None else self.model
             decay = set(self.get_decay_parameter_names(model))
@@ -175,6 +198,8 @@ class PolyfuseTrainer(Trainer):
         """Habana FusedClipNorm's clip (the pre-clip norm) when the gaudi config asks for it and it exists; else
         None."""
         if self.args.use_habana and self.gaudi_config and self.gaudi_config.use_fused_clip_norm:
+            if self._fsdp():  # its norm would be this rank's shard's; accelerate's clip reduces over the ranks
+                return None
             parameters = list(parameters)
             if self._fused_clip is None:
                 clip = self.runtime.fused_clip_norm(parameters, self.args.max_grad_norm)
@@ -190,6 +215,7 @@ class PolyfuseTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
+        _fsdp.enable_on_cpu(self)  # FSDP on a CPU (gloo) run: accelerate enables it on accelerators only
         if not _TRAINER_HAS_CLIP_HOOK:
             # transformers 4.x has no _clip_grad_norm hook: its loop calls accelerator.clip_grad_norm_(params,
             # max_grad_norm) itself, so the fused clip goes there (the loop's own call only; other norms pass by).
@@ -228,24 +254,40 @@ class PolyfuseTrainer(Trainer):
             return
         logs.update({k: v for k, v in stats.items() if v is not None})
 
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """Trainer's, except that under FSDP2 a call from outside the training loop (the final save) always writes a
+        consolidated transformers checkpoint: with ``state_dict_type`` SHARDED_STATE_DICT transformers would write
+        no weights there (its ``checkpoint-N`` folders keep accelerate's sharded model and optimizer for resuming).
+        Every rank must call it."""
+        if getattr(self, "is_fsdp_enabled", False) and not _internal_call and _fsdp.sharded_state_dict_type(self):
+            self._save(output_dir or self.args.output_dir, state_dict=_fsdp.full_state_dict(self.model))
+            return
+        super().save_model(output_dir, _internal_call)
+
     def _save(self, output_dir: Optional[str] = None, state_dict=None):
         if self._polyfuse_model:
-            self._save_polyfuse(output_dir or self.args.output_dir)
+            self._save_polyfuse(output_dir or self.args.output_dir, state_dict)
         else:
             super()._save(output_dir, state_dict)
         if self.gaudi_config is not None and self.args.should_save:
             self.gaudi_config.save_pretrained(output_dir or self.args.output_dir)
 
-    def _save_polyfuse(self, output_dir: str) -> None:
+    def _save_polyfuse(self, output_dir: str, state_dict: Optional[dict] = None) -> None:
         """What ``Trainer._save`` does for a ``PreTrainedModel``, for polyfuse's model: a transformers checkpoint
         (config.json + safetensors in transformers' names, the fused projections split back, a tied lm_head left
-        out) through the model's ``save_pretrained``, then the tokenizer and the training arguments."""
+        out) through the model's ``save_pretrained``, then the tokenizer and the training arguments. Under FSDP2
+        ``state_dict`` is the full state dict the Trainer gathered on every rank (rank 0 writes it)."""
         if not self.args.should_save:
             return
         from transformers.trainer import TRAINING_ARGS_NAME
 
         os.makedirs(output_dir, exist_ok=True)
-        self.accelerator.unwrap_model(self.model, keep_torch_compile=False).save_pretrained(output_dir)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if state_dict is None and _fsdp.is_sharded(model):
+            raise RuntimeError("polyfuse: saving an FSDP2-sharded model needs its gathered full state dict")
+        model.save_pretrained(
+            output_dir, params=None if state_dict is None else _fsdp.parameters_of(model, state_dict)
+        )
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
@@ -264,12 +306,12 @@ class PolyfuseTrainer(Trainer):
             load_weights(model, iter_safetensors(folder), workers=LOAD_WORKERS)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self._polyfuse_model:
+        if self._polyfuse_model and not self.is_fsdp_enabled:  # under FSDP, accelerate reads its own checkpoint
             return self._load_polyfuse(resume_from_checkpoint)
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self) -> None:
-        if self._polyfuse_model:
+        if self._polyfuse_model and not self.is_fsdp_enabled:
             logger.info("polyfuse: loading the best model from %s", self.state.best_model_checkpoint)
             return self._load_polyfuse(self.state.best_model_checkpoint)
         return super()._load_best_model()
