@@ -3,8 +3,8 @@
 ``linear(x, weight, bias)`` is ``F.linear``; ``swiglu_linear(gate, up, weight, bias)`` is ``F.linear(silu(gate) *
 up, weight, bias)``, the MLP's down projection with its gate folded in. ``linear`` is inference-only (training keeps
 the reference, ``F.linear`` with its autograd). ``swiglu_linear`` also has training implementations: where none is
-chosen the composite (the run's swiglu, then linear) runs; the Triton one recomputes the product in its backward
-instead of keeping it (backends/triton/swiglu_linear.py). A backend's inference implementation may take only the
+chosen the composite (the run's swiglu, then linear) runs; the Triton one (opt-in: ``swiglu_linear=triton_recompute``)
+recomputes the product in its backward instead of keeping it (backends/triton/swiglu_linear.py). A backend's inference implementation may take only the
 shapes where it was measured to win (CUDA: a Triton GEMV for tuned one-row decode shapes, cuBLAS for the rest);
 ``-linear`` / ``-swiglu_linear`` force the reference.
 """
