@@ -305,16 +305,20 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     spec.loader.exec_module(bench)
     monkeypatch.setattr(bench, "graph_time", lambda fn, reps: [fn(0), fn(reps - 1)] and 1e-3)
     monkeypatch.setattr(bench, "QCONFIGS", [(32, 64, 4, 2)])
-    args = type("Args", (), {"reshape": True, "qsweep": True})()
+    monkeypatch.setattr(bench, "GEMV_QCONFIGS", {"int4": [(64, 64, 4, 2)], "bytes": [(8, 128, 4, 2)]})
+    args = type("Args", (), {"reshape": True, "qsweep": True, "gemv_sweep": True})()
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(72, 256, generator=gen) * 0.05
-    for fmt, m in (("int4", 1), ("int4", 16), ("int8", 3)):
+    for fmt, m in (("int4", 1), ("int4", 16), ("int8", 3), ("fp8", 1)):
         x, up = torch.randn(m, 256, generator=gen), torch.randn(m, 256, generator=gen)
         logged = []
         rows = bench.time_quantized(fmt, "t.down", 72, 256, m, w, x, up, args, logged.append)
         assert not [r for r in logged if "error" in r], logged
         want = {f"{fmt}_native", f"{fmt}_dequant_cublas", f"{fmt}_gemm", f"{fmt}_gemm_32x64_w4s2",
                 f"swiglu+{fmt}_dequant_cublas", f"swiglu+{fmt}_gemm"}  # fmt: skip
-        want |= {f"{fmt}_gemv", f"swiglu+{fmt}_gemv"} if m == 1 else set()
+        if fmt == "fp8":  # no GEMM for fp8: the GEMV rows only
+            want = {"fp8_native"}
+        sweep = "64x64_w4s2" if fmt == "int4" else "8x128_w4s2"
+        want |= {f"{fmt}_gemv", f"swiglu+{fmt}_gemv", f"{fmt}_gemv_{sweep}"} if m == 1 else set()
         want |= {"int4_gemm_reshape"} if fmt == "int4" else set()
         assert set(rows) == want, set(rows) ^ want
