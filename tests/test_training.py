@@ -336,3 +336,17 @@ def test_trainer_save_resume_polyfuse_llama_matches_uninterrupted(tmp_path):
     assert {4, 5, 6} <= set(loss_r), resumed.state.log_history
     for s in (4, 5, 6):
         assert loss_r[s] == pytest.approx(loss[s], rel=1e-5)
+
+
+def test_cpu_fsdp_refused_with_old_accelerate(monkeypatch):
+    """FSDP2 on a CPU-only run is tested with accelerate >= 1.15; older ones (optimum-habana's 1.10.1 pin) fail
+    inside accelerate on a CPU, so the arguments refuse them with one line naming the versions."""
+    import accelerate
+
+    from polyfuse.training.arguments import cpu_fsdp_unsupported
+
+    monkeypatch.setattr(accelerate, "__version__", "1.10.1")
+    why = cpu_fsdp_unsupported()
+    assert why is not None and "accelerate >= 1.15" in why and "1.10.1" in why
+    monkeypatch.setattr(accelerate, "__version__", "1.15.0")
+    assert cpu_fsdp_unsupported() is None

@@ -23,6 +23,26 @@ FUSED_FLAG_OPS = {
 }
 
 
+# FSDP2 on a CPU-only (gloo) run has been tested with accelerate 1.15 / transformers 5.24 / torch 2.13. With
+# optimum-habana's pins (accelerate 1.10.1, transformers 4.55.4, torch 2.7.1) accelerate's FSDP plugin asks for an
+# accelerator's device and the checkpoint load fails on a "cpu:0" location: refused there with one line.
+CPU_FSDP_MIN_ACCELERATE = (1, 15)
+
+
+def cpu_fsdp_unsupported() -> Optional[str]:
+    """None when this accelerate can run FSDP2 on a CPU-only run (CI's gloo tests), else the one-line reason."""
+    import accelerate
+
+    have = tuple(int(p) for p in accelerate.__version__.split(".")[:2] if p.isdigit())
+    if have >= CPU_FSDP_MIN_ACCELERATE:
+        return None
+    want = ".".join(map(str, CPU_FSDP_MIN_ACCELERATE))
+    return (
+        f"FSDP2 on a CPU-only run needs accelerate >= {want} (this is {accelerate.__version__}); on GPUs and Gaudi "
+        "cards accelerate's own FSDP path applies"
+    )
+
+
 @dataclass
 class PolyfuseTrainingArguments(TrainingArguments):
     use_flash_attention: bool = field(
@@ -69,6 +89,16 @@ class PolyfuseTrainingArguments(TrainingArguments):
         from polyfuse.training.fsdp import validate_args
 
         validate_args(self)  # FSDP settings polyfuse cannot honour: one ValueError line
+        if self.use_cpu and self.fsdp:
+            why = cpu_fsdp_unsupported()
+            if why:
+                raise ValueError(why)
+        if self.use_cpu and self.fsdp and "sync_module_states" not in (self.fsdp_config or {}):
+            # transformers 4.x hands accelerate sync_module_states=true by default (FSDP_SYNC_MODULE_STATES), and
+            # accelerate 1.10's FSDP plugin then asks for an accelerator's current device and raises on a CPU-only
+            # run. It only matters for cpu_ram_efficient_loading (rank 0's weights broadcast), which a CPU run
+            # does not use: off unless the user set it.
+            os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
 
     def _join_gloo_group(self) -> None:
         """A CPU run under torchrun joins its gloo group here, waiting at most ``ddp_timeout`` seconds for the other
