@@ -506,14 +506,22 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                  "random per shard", backends={k: v["implementation"] for k, v in model.kernels.as_dict().items()},
                  per_rank=ranks), out)  # fmt: skip
         model.eval()
+        variants = [""] + [v for v in args.variants.split(";") if v]  # e.g. "all_reduce=native": NCCL only
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
-            ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
-            model.cache = None
-            ar = allreduce_ms_per_token(model, bs, device)
-            peaks = gather(tp, gb(peak))
-            log(decode_row("polyfuse", shape, bs, ms, warm, max(peaks) * 1e9, tp=tp.world_size,
-                           allreduce_ms_per_token=round(ar, 4), mem_max_GB_per_rank=peaks,
-                           host_rss_peak_GB_per_rank=gather(tp, gb(rss_bytes()))), out)  # fmt: skip
+            for extra in variants:
+                if len(variants) > 1:  # a fresh resolution also drops graphs captured under other kernels
+                    set_kernels(model, flags, ",".join(o for o in (args.ops, extra) if o))
+                ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
+                model.cache = None
+                ar = allreduce_ms_per_token(model, bs, device)
+                peaks = gather(tp, gb(peak))
+                row = decode_row("polyfuse", shape, bs, ms, warm, max(peaks) * 1e9, tp=tp.world_size,
+                                 allreduce_ms_per_token=round(ar, 4), mem_max_GB_per_rank=peaks,
+                                 host_rss_peak_GB_per_rank=gather(tp, gb(rss_bytes())),
+                                 all_reduce=model.kernels.as_dict()["all_reduce"]["implementation"])  # fmt: skip
+                if extra:
+                    row["variant"] = extra
+                log(row, out)
         del model
         if cuda:
             torch.cuda.empty_cache()
