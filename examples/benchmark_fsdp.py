@@ -90,8 +90,14 @@ def fsdp_arguments(variant: str) -> dict:
 
 
 def build(variant: str, args):
-    """The model in host memory, the same on every rank (seed 0)."""
+    """The model in host memory, the same on every rank (seed 0). torchrun gives each process one OpenMP thread:
+    drawing the 8B shape's random weights with one thread did not finish in a 170 s call on 2 x H200 (run 19), so
+    the build uses this rank's share of the machine's cores."""
     from transformers import LlamaConfig
+
+    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if torch.get_num_threads() < share:
+        torch.set_num_threads(share)
 
     cfg = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.seq, 4096), attn_implementation="sdpa")
     if variant == "polyfuse":
