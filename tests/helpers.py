@@ -230,3 +230,39 @@ def fake_cuda_graphs(monkeypatch):
         "synchronize": lambda *a: None,
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
+
+
+# -- examples/run_clm.py in process (tests/test_saving.py, tests/test_lora.py) ----------------------------------------
+
+
+def load_run_clm(name: str):
+    """examples/run_clm.py imported as module ``name`` (registered in sys.modules: its dataclasses look their module
+    up); the caller pops it when done."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "run_clm.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_clm_main(module, capsys, *argv):
+    """(exit code, stdout, stderr) of run_clm.py's main on ``argv``."""
+    try:
+        rc = module.main([str(a) for a in argv])
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_clm_error(rc, out, err, needle):
+    """Exit 2, no traceback, exactly one ``run_clm.py: error:`` line, naming ``needle``."""
+    assert rc == 2, (rc, err[-2000:])
+    assert "Traceback" not in out + err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("run_clm.py: error: ") and needle in errors[0], err

@@ -5,7 +5,6 @@ projection dispatch (fused GEMM while no slice is wrapped; the fused ops stay in
 an adapter, and run_clm.py --lora_rank end to end on both --model_impl."""
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import one_thread, perturb_, tiny_config  # noqa: F401
+from helpers import assert_one_clm_error, load_run_clm, one_thread, perturb_, run_clm_main, tiny_config  # noqa: F401
 
 
 peft = pytest.importorskip("peft")
@@ -430,12 +429,9 @@ def test_gradient_checkpointing_under_lora(folders):
 
 @pytest.fixture(scope="module")
 def run_clm():
-    spec = importlib.util.spec_from_file_location("run_clm_lora_under_test", ROOT / "examples" / "run_clm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_run_clm("run_clm_lora_under_test")
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop("run_clm_lora_under_test", None)
 
 
 @pytest.fixture(scope="module")
@@ -446,19 +442,11 @@ def tiny_model(tmp_path_factory):
 
 
 def _clm(run_clm, capsys, *argv):
-    try:
-        rc = run_clm.main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_clm_main(run_clm, capsys, *argv)
 
 
 def _one_error(rc, out, err, needle):
-    assert rc == 2, (rc, err[-2000:])
-    assert "Traceback" not in out + err
-    errors = [line for line in err.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith("run_clm.py: error: ") and needle in errors[0], err
+    assert_one_clm_error(rc, out, err, needle)
 
 
 @pytest.mark.parametrize("impl", ["transformers", "polyfuse"])

@@ -5,7 +5,6 @@ temperature too small for fp32 samples greedily."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -18,7 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import hf_from_pretrained, hf_random, one_thread, tiny_config, tiny_llama, write_tiny_cli_model  # noqa: F401
+from helpers import (  # noqa: F401
+    assert_one_clm_error,
+    hf_from_pretrained,
+    hf_random,
+    load_run_clm,
+    one_thread,
+    run_clm_main,
+    tiny_config,
+    tiny_llama,
+    write_tiny_cli_model,
+)
 from safetensors import safe_open
 
 from polyfuse.engine.compat import TRANSFORMERS_5
@@ -252,12 +261,9 @@ def test_tied_config_with_an_equal_lm_head_stays_tied(tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def run_clm():
-    spec = importlib.util.spec_from_file_location("run_clm_under_test", ROOT / "examples" / "run_clm.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_run_clm("run_clm_under_test")
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop("run_clm_under_test", None)
 
 
 @pytest.fixture(scope="module")
@@ -268,19 +274,11 @@ def tiny_clm_folder(tmp_path_factory):
 
 
 def _clm(run_clm, capsys, *argv):
-    try:
-        rc = run_clm.main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return run_clm_main(run_clm, capsys, *argv)
 
 
 def _one_error(rc, out, err, needle):
-    assert rc == 2, (rc, err[-2000:])
-    assert "Traceback" not in out + err
-    errors = [line for line in err.splitlines() if "error" in line.lower()]
-    assert errors == [errors[0]] and errors[0].startswith("run_clm.py: error: ") and needle in errors[0], err
+    assert_one_clm_error(rc, out, err, needle)
 
 
 def test_run_clm_quick_start_polyfuse_model_saves_loadable_checkpoints(run_clm, capsys, tiny_clm_folder, tmp_path):
