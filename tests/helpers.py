@@ -266,3 +266,46 @@ def assert_one_clm_error(rc, out, err, needle):
     assert "Traceback" not in out + err
     errors = [line for line in err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("run_clm.py: error: ") and needle in errors[0], err
+
+
+# -- processes under torchrun (tests/test_tensor_parallel.py, tests/test_fsdp.py) ------------------------------------
+
+
+def dist_env(**extra) -> dict:
+    """This environment for a launched run: one OpenMP thread, offline, no inherited rank variables or op overrides."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POLYFUSE_OPS"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def run_session(cmd, timeout: float, env: dict, cwd):
+    """Run ``cmd`` in a new session; on timeout kill the session (the launcher and every rank it started) and fail."""
+    import signal
+    import subprocess
+
+    p = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def torchrun_cmd(*args, n: int = 2) -> list:
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

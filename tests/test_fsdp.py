@@ -31,7 +31,7 @@ from pathlib import Path
 import fsdp_worker
 import pytest
 import torch
-from helpers import one_thread, tiny_config, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import dist_env, free_port, one_thread, run_session, tiny_config, torchrun_cmd, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse.training.arguments import cpu_fsdp_unsupported
 
@@ -49,38 +49,19 @@ SLOW = bool(os.environ.get("POLYFUSE_SLOW_TESTS"))
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POLYFUSE_OPS"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
+    return dist_env(**extra)
 
 
 def _run(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
-    """Run in a new session; on timeout kill the session (the launcher and every rank it started)."""
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return run_session(cmd, timeout, env or _env(), ROOT)
 
 
 def _torchrun(*args, n: int = 2) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)]
+    return torchrun_cmd(*args, n=n)
 
 
 def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _error_lines(text: str) -> list:

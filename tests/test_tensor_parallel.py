@@ -21,7 +21,6 @@ import ast
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_thread, tiny_config, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import dist_env, free_port, one_thread, run_session, tiny_config, torchrun_cmd, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse import distributed
 from polyfuse.distributed import SINGLE, TensorParallelError, TPContext, head_shard, split
@@ -40,37 +39,19 @@ RUN_GENERATION = str(ROOT / "examples" / "run_generation.py")
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["POLYFUSE_DIST_TIMEOUT"] = "60"  # a broken collective fails in a minute, not ten
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
+    return dist_env(POLYFUSE_DIST_TIMEOUT="60", **extra)  # a broken collective fails in a minute, not ten
 
 
 def _run(cmd, timeout: float, env=None) -> subprocess.CompletedProcess:
-    """Run in a new session; on timeout kill the session (the launcher and every rank it started)."""
-    p = subprocess.Popen(
-        cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{' '.join(map(str, cmd))} hung for {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    return run_session(cmd, timeout, env or _env(), ROOT)
 
 
 def _torchrun(*args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *map(str, args)]
+    return torchrun_cmd(*args)
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _error_lines(text: str) -> list:
