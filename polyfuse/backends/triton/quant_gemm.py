@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from polyfuse.backends.triton._util import rows
+from polyfuse.backends.triton.quant_gemv import kernel_refusal
 
 
 FORMATS = ("int4", "int8")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Rows the GEMM takes: all rows of a decode batch fit one BLOCK_M <= 64 tile (the weight is read once per call).
 # Where dequantize + cuBLAS overtakes it is for the GPU to say (benchmark_linear.py --quant --rows 64,128,256):
 # POLYFUSE_QGEMM_MAX_ROWS moves the bound for such runs.
@@ -32,13 +32,7 @@ def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
         return "one row (the GEMV's)" if m == 1 else "no rows"
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
-    if qweight.format not in FORMATS:
-        return f"no GEMM for format {qweight.format}"
-    if x.dtype not in DTYPES:
-        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return "needs gradients"
-    return None
+    return kernel_refusal(x, qweight, bias, FORMATS, "GEMM")
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:

@@ -15,17 +15,23 @@ FORMATS = (*SCALED, "int4", *GGUF_BYTES)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
-    n, k = qweight.shape
-    if x.shape[-1] != k or x.numel() != k:
-        return "not a one-row projection"
-    if qweight.format not in FORMATS:
-        return f"no GEMV for format {qweight.format}"
+def kernel_refusal(x: torch.Tensor, qweight, bias, formats, kernel: str) -> Optional[str]:
+    """What every quantized Triton kernel (this GEMV, quant_gemm.py's GEMM) declines: a format it has no kernel
+    for, another activation dtype, a call that needs gradients (inference only)."""
+    if qweight.format not in formats:
+        return f"no {kernel} for format {qweight.format}"
     if x.dtype not in DTYPES:
         return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
         return "needs gradients"
     return None
+
+
+def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
+    n, k = qweight.shape
+    if x.shape[-1] != k or x.numel() != k:
+        return "not a one-row projection"
+    return kernel_refusal(x, qweight, bias, FORMATS, "GEMV")
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
