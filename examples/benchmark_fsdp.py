@@ -6,8 +6,8 @@ layer), random weights in a real shape, the same data, optimizer and gradient ch
     torchrun --nproc-per-node 2 examples/benchmark_fsdp.py --shape llama-3-8b --seq 4096 --output fsdp.json
     torchrun --nproc-per-node 2 examples/benchmark_fsdp.py --shape tiny          # CPU smoke test (gloo)
 
-Each rank builds the model in host memory (bf16 on a GPU: 16 GB for the 8B shape; the same seed everywhere), and
-the Trainer's FSDP2 preparation moves only the rank's shard of each layer to its GPU, so no GPU ever holds the
+Each rank draws the model's random weights (on its GPU, then moved to host memory: bf16, 16 GB for the 8B shape; the
+same seed everywhere), and the Trainer's FSDP2 preparation moves only the rank's shard of each layer to its GPU, so no GPU ever holds the
 whole model. Weights, gradients and AdamW state are in the weights' dtype (no fp32 master copy: ``bf16`` is off,
 as in examples/benchmark_training.py); the optimizer is torch's fused AdamW. After ``--warmup`` steps the next
 ``--steps`` are timed: tokens/s per GPU (each rank's batch x sequence per step over the slowest rank's time) and the
@@ -90,29 +90,34 @@ def fsdp_arguments(variant: str) -> dict:
 
 
 def build(variant: str, args):
-    """The model in host memory, the same on every rank (seed 0). torchrun gives each process one OpenMP thread:
-    drawing the 8B shape's random weights with one thread did not finish in a 170 s call on 2 x H200 (run 19), so
-    the build uses this rank's share of the machine's cores."""
+    """The model in host memory, the same on every rank (seed 0). Drawing the 8B shape's random weights on the CPU
+    did not finish in a 170 s call on 2 x H200 (run 19: torchrun gives each process one OpenMP thread), so on a GPU
+    the weights are drawn there (the device's RNG, seconds) and then moved to host memory; the GPU's cache is
+    emptied and its peak counters are reset after the warm-up steps, so this does not enter the measured peak. The
+    Trainer's FSDP2 preparation then moves only the rank's shard of each layer to its GPU."""
     from transformers import LlamaConfig
-
-    share = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if torch.get_num_threads() < share:
-        torch.set_num_threads(share)
 
     cfg = LlamaConfig(**SHAPES[args.shape], max_position_embeddings=max(args.seq, 4096), attn_implementation="sdpa")
     if variant == "polyfuse":
         from polyfuse.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM.from_config(cfg, dtype=args.dtype, device="cpu", training=True, seed=0)
-    from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_config(cfg, dtype=args.dtype, device=args.device, training=True, seed=0)
+    else:
+        from transformers import LlamaForCausalLM
 
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(args.dtype)
-    try:
-        return LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
+        torch.manual_seed(0)
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(args.dtype)
+        try:
+            with torch.device(args.device):
+                model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(old)
+    if args.device == "cuda":
+        model = model.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+    return model
 
 
 def _sync(device: str) -> None:

@@ -72,13 +72,41 @@ CONFIGS = [  # block_n, block_k, num_warps, num_stages
 ]  # fmt: skip
 # --qsweep: dequantizing GEMM tiles (block_n, block_k, num_warps, num_stages; block_m from the rows), beside the default
 QCONFIGS = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (64, 128) for nw in (4, 8) for ns in (2, 4)]
-# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout.
+# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout. Run 17's
+# sweep stopped at 8 KB of weights per loop step; the larger tiles (up to 64 KB, 16 warps) keep more bytes in flight.
 GEMV_QCONFIGS = {
-    "int4": [(bn, bk, nw, ns) for bn in (64, 128, 256) for bk in (64, 128) for nw in (4, 8) for ns in (2, 3)
-             if bn * bk <= 16384],
-    "bytes": [(bn, bk, nw, 3) for bn, bk in ((4, 2048), (4, 4096), (8, 1024), (8, 2048), (16, 512), (16, 1024))
-              for nw in (4, 8)],
+    "int4": [(bn, bk, nw, ns) for bn in (64, 128, 256, 512, 1024) for bk in (64, 128) for nw in (4, 8, 16)
+             for ns in (2, 3) if 8192 <= bn * bk <= 131072 and not (nw == 4 and bn * bk > 32768)
+             and not (nw == 16 and bn * bk < 32768)],
+    "bytes": [(bn, bk, nw, 3) for bn, bk in ((4, 2048), (4, 4096), (8, 1024), (8, 2048), (8, 4096), (16, 512),
+                                               (16, 1024), (16, 2048), (32, 1024), (32, 2048))
+              for nw in (4, 8, 16) if not (nw == 16 and bn * bk < 16384)],
 }  # fmt: skip
+
+
+def best_tiles(rows: list) -> dict:
+    """{"gemv" | "gemm": {format: [tile]}}: per format, the swept tile with the least time summed over every shape
+    it ran on (a tile missing on a shape, by error, does not qualify): the values for POLYFUSE_QGEMV_TILES /
+    POLYFUSE_QGEMM_TILES."""
+    import re
+
+    found: dict = {}
+    shapes: dict = {}
+    for r in rows:
+        m = re.fullmatch(r"(int4|int8|fp8)_(gemv|gemm)_(\d+)x(\d+)_w(\d+)s(\d+)", r.get("impl", ""))
+        if not m or "us" not in r:
+            continue
+        fmt, kind, tile = m.group(1), m.group(2), tuple(int(v) for v in m.groups()[2:])
+        key = (kind, fmt, r["M"])
+        shapes.setdefault(key, set()).add(r["shape"])
+        found.setdefault(key, {}).setdefault(tile, {})[r["shape"]] = r["us"]
+    best: dict = {}
+    for (kind, fmt, m), by_tile in found.items():
+        full = {t: sum(v.values()) for t, v in by_tile.items() if len(v) == len(shapes[(kind, fmt, m)])}
+        if full:
+            tile = min(full, key=full.get)
+            best.setdefault(kind, {})[f"{fmt}@{m}"] = {"tile": list(tile), "us_sum": round(full[tile], 2)}
+    return best
 
 
 def graph_time(fn, reps: int) -> float:
@@ -109,7 +137,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     from polyfuse.backends.triton import _qgemm
     from polyfuse.backends.triton.dequant_mm import linear_q as dequant_mm
     from polyfuse.backends.triton.gemm_gptq import gemm_gptq
-    from polyfuse.backends.triton.gemm_int8 import gemm_int8
+    from polyfuse.backends.triton.gemm_scaled import gemm_scaled
     from polyfuse.backends.triton.quant_gemv import linear_q as gemv_q
     from polyfuse.backends.triton.quant_gemv import swiglu_linear_q as gemv_q_swiglu
     from polyfuse.backends.triton.swiglu import swiglu
@@ -121,7 +149,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     qbytes = sum(getattr(qw, t).nbytes for t in tensors)
     copies = max(2, min(32, -(-(2 << 30) // qbytes)))
     qws = [qw] + [dataclasses.replace(qw, **{t: getattr(qw, t).clone() for t in tensors}) for _ in range(copies - 1)]
-    gemm = {"int4": gemm_gptq, "int8": gemm_int8}.get(fmt)
+    gemm = {"int4": gemm_gptq, "int8": gemm_scaled, "fp8": gemm_scaled}.get(fmt)
     wd = dequantize(qw, x.dtype)
     ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
     fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
@@ -198,7 +226,10 @@ def main():
     out = open(args.output, "a") if args.output else None
     dev, dt = torch.device("cuda"), torch.bfloat16
 
+    logged = []
+
     def log(row):
+        logged.append(row)
         print(json.dumps(row), flush=True)
         if out:
             out.write(json.dumps(row) + "\n")
@@ -244,6 +275,8 @@ def main():
                          TFLOPs=round(2 * m * n * k / sec / 1e12, 1)))  # fmt: skip
         ws.clear()
         torch.cuda.empty_cache()
+    if args.gemv_sweep or args.qsweep:
+        log({"best_tiles": best_tiles(logged)})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """int4 / int8 weights for more than one row (issue 12): the Triton dequantizing GEMM (batch decode, 2..64 rows:
-backends/triton/gemm_gptq.py, gemm_int8.py) and the dequantize kernel + F.linear (prefill: dequant_mm.py), on the CPU
+backends/triton/gemm_gptq.py, gemm_scaled.py) and the dequantize kernel + F.linear (prefill: dequant_mm.py), on the CPU
 through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
 
 * the GEMM against the reference (the dequantized weight times x, in float64) for several row counts, N not a
@@ -40,9 +40,9 @@ def err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def kernel_for(fmt):
     from polyfuse.backends.triton.gemm_gptq import gemm_gptq
-    from polyfuse.backends.triton.gemm_int8 import gemm_int8
+    from polyfuse.backends.triton.gemm_scaled import gemm_scaled
 
-    return gemm_int8 if fmt == "int8" else gemm_gptq
+    return gemm_gptq if fmt.startswith("int4") else gemm_scaled
 
 
 def inputs(m, n, k, dtype, seed=0):
@@ -62,7 +62,7 @@ def reference(x, qw, bias=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("m", [2, 5, 16, 33])
-@pytest.mark.parametrize("fmt", ["int4", "int8", "int4_act"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "int4_act"])
 def test_gemm_against_the_reference(fmt, m, dtype):
     """Default tiles (BLOCK_M from the rows, one K step per group) and small tiles with K split three ways; N = 72
     (a partial N tile), K = 384 (three groups) and 320 (a partial last group); bias or none; SwiGLU folded."""
@@ -113,7 +113,7 @@ def _tampered(qw, how):
         gi = qw.g_idx.clone()
         gi[8:16] = (gi[8:16] + 1) % qw.scales.shape[0]
         return dataclasses.replace(qw, g_idx=gi)
-    if how == "int8_scale":  # one channel's scale 1% off
+    if how == "channel_scale":  # one channel's scale 1% off
         s = qw.scales.clone()
         s[5] *= 1.01
         return dataclasses.replace(qw, scales=s)
@@ -124,12 +124,12 @@ def _tampered(qw, how):
 @pytest.mark.parametrize(
     "fmt,how",
     [("int4", "zero_of_one_column_group"), ("int4", "zeros_without_plus_one"), ("int4", "next_group"),
-     ("int4_act", "g_idx_shifted"), ("int8", "int8_scale")],
+     ("int4_act", "g_idx_shifted"), ("int8", "channel_scale"), ("fp8", "channel_scale")],
 )  # fmt: skip
 def test_the_check_sees_a_wrong_zero_group_or_scale(fmt, how, dtype):
     """The bound of test_gemm_against_the_reference fails when the kernel computes with a zero point or group off
-    by one (or an int8 scale 1% off, float32): the comparison can fail for the errors such a kernel would make."""
-    if how == "int8_scale" and dtype == torch.bfloat16:
+    by one (or an int8 / fp8 channel's scale 1% off, float32): the comparison can fail for the errors such a kernel would make."""
+    if how == "channel_scale" and dtype == torch.bfloat16:
         pytest.skip("1% of one column is within two bf16 ulps")
     kernel = kernel_for(fmt)
     qw = quantized(fmt, 72, 384, "cpu")
@@ -212,9 +212,10 @@ def recording_kernels(calls):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_which_implementation_takes_which_rows(dtype):
-    """One row: the GEMV; 2..64 rows of int4 / int8: the GEMM (SwiGLU folded); more rows: linear_q's dequantize
-    kernel + F.linear, and for swiglu_linear_q its composite (swiglu, then linear_q's same chain); other formats with
-    more than one row: scaled_mm where it takes them (fp8, bf16), else the native reference (nothing recorded).
+    """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows: linear_q's
+    dequantize kernel + F.linear (int4 / int8), and for swiglu_linear_q its composite (swiglu, then linear_q's same
+    chain); other formats with more than one row and fp8 with more than 64: scaled_mm where it takes them (fp8,
+    bf16), else the native reference (nothing recorded).
     Results equal the reference."""
     from helpers import cpu_scaled_mm_missing
 
@@ -226,8 +227,10 @@ def test_which_implementation_takes_which_rows(dtype):
         for m in (1, 2, 16, 64, 65, 130):
             if m == 1:
                 want = "gemv_q"
+            elif fmt in ("int4", "int8", "fp8") and m <= 64:
+                want = "gemm_q"
             elif fmt in ("int4", "int8"):
-                want = "gemm_q" if m <= 64 else "dequant_mm"
+                want = "dequant_mm"
             else:
                 want = "scaled_mm" if fmt == "fp8" and dtype == torch.bfloat16 else None
             if want == "scaled_mm" and cpu_scaled_mm_missing():

@@ -1,4 +1,4 @@
-"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_int8.py: int8) and of the dequantize kernel
+"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_scaled.py: int8 and fp8) and of the dequantize kernel
 (dequant_mm.py): the weight tile dequantized in registers exactly as the reference does it (float32, then one
 rounding to the activations' dtype), the activation tile with SwiGLU folded in, the tile product, the split-K
 epilogue, the default tiles and the split choice.
@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._qgemv import e4m3_to_f32
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
 
@@ -60,15 +61,24 @@ def int4_tile(QW, QZ, S, GI, k0, k_end, n, n_mask, g_tile, sq_k, sz_g, ss_g,
     return w
 
 
+# byte_tile's KIND per 1-byte format: int8, fp8 by the GPU's conversion, fp8 bits decoded by integer arithmetic.
+BYTE_KINDS = {"int8": 0, "fp8": 1, "fp8_bits": 2}
+
+
 @triton.jit
-def int8_tile(W, s, k0, k_end, n, n_mask, sw_n, BLOCK_K: tl.constexpr):
-    """The float32 [BLOCK_K, BLOCK_N] tile w[k, n] = q[n, k] * s[n] of a per-channel int8 weight [N, K] (s: the
-    columns' float32 scales, loaded once per program)."""
+def byte_tile(W, s, k0, k_end, n, n_mask, sw_n, KIND: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 [BLOCK_K, BLOCK_N] tile w[k, n] = q[n, k] * s[n] of a per-channel 1-byte weight [N, K] (int8 or
+    fp8 e4m3, KIND as in BYTE_KINDS; s: the columns' float32 scales, loaded once per program)."""
     k = k0 + tl.arange(0, BLOCK_K)
     mask = (k < k_end)[:, None] & n_mask[None, :]
-    q = tl.load(W + n[None, :] * sw_n + k[:, None], mask=mask, other=0).to(tl.int32)
-    # q + 128 (1..255) OR-ed into 2^23's mantissa: 2^23 + 128 + q as a float, without an int -> float conversion
-    qf = ((q + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    if KIND == 0:
+        q = tl.load(W + n[None, :] * sw_n + k[:, None], mask=mask, other=0).to(tl.int32)
+        # q + 128 (1..255) OR-ed into 2^23's mantissa: 2^23 + 128 + q as a float, without an int -> float conversion
+        qf = ((q + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    elif KIND == 1:
+        qf = tl.load(W + n[None, :] * sw_n + k[:, None], mask=mask, other=0.0).to(tl.float32)
+    else:
+        qf = e4m3_to_f32(tl.load(W + n[None, :] * sw_n + k[:, None], mask=mask, other=0))
     return qf * s[None, :]
 
 
@@ -135,7 +145,7 @@ def store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m,
 # Per format: (block_n, block_k, num_warps, num_stages); block_m follows the rows (16, 32 or 64: all rows of a decode
 # batch in one tile, so each weight byte is read once per call). A first guess for the H200 (132 SMs), not measured
 # on a GPU yet; POLYFUSE_QGEMM_TILES='{"int4": [64, 128, 4, 3]}' replaces entries (benchmark_linear.py sweeps them).
-TILES = {"int4": (64, 128, 4, 3), "int8": (64, 128, 4, 3)}
+TILES = {"int4": (64, 128, 4, 3), "int8": (64, 128, 4, 3), "fp8": (64, 128, 4, 3)}
 _env = os.environ.get("POLYFUSE_QGEMM_TILES")
 if _env:
     TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})

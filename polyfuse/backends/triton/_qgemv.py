@@ -65,6 +65,11 @@ if _env:
     TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})
 
 
+def no_fp8_cvt(device: torch.device) -> bool:
+    """A GPU without fp8 conversion instructions (before sm89): the kernels decode e4m3 bits by integer arithmetic."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
 def dense_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` with a unit last stride (the kernels index rows by their first stride)."""
     return t if t.stride(-1) == 1 else t.contiguous()

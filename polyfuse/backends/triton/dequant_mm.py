@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import RESHAPE, int4_tile, int8_tile
+from polyfuse.backends.triton._qgemm import RESHAPE, byte_tile, int4_tile
 from polyfuse.backends.triton._qgemv import dense_rows
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton.gemm_gptq import int4_block_k
@@ -43,7 +43,7 @@ def _dequant_kernel(
         tl.store(WD + k[:, None].to(tl.int64) * sd + cols[None, :], cast_rne(w, WD.dtype.element_ty), mask=mask)
     else:  # into [N, K]
         s = tl.load(S + cols, mask=n_mask, other=0.0).to(tl.float32)
-        w = int8_tile(QW, s, k0, K, cols, n_mask, sq, BLOCK_K)
+        w = byte_tile(QW, s, k0, K, cols, n_mask, sq, 0, BLOCK_K)
         tl.store(WD + cols[None, :] * sd + k[:, None], cast_rne(w, WD.dtype.element_ty), mask=mask)
 
 

@@ -13,7 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemv import TILES, dense_rows, e4m3_to_f32, finish, load_x, output, split_k, store_out
+from polyfuse.backends.triton._qgemv import (
+    TILES,
+    dense_rows,
+    e4m3_to_f32,
+    finish,
+    load_x,
+    no_fp8_cvt,
+    output,
+    split_k,
+    store_out,
+)
 
 
 @triton.jit
@@ -48,10 +58,6 @@ def _gemv_scaled_kernel(
     store_out(Y, B, n, n_mask, acc, HAS_BIAS, SPLIT)
 
 
-def _no_fp8_cvt(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
-
-
 def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
@@ -62,7 +68,7 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     w, scales = dense_rows(qw.qweight), dense_rows(qw.scales)
     fp8 = qw.format != "int8"
     if fp8_bits is None:
-        fp8_bits = fp8 and _no_fp8_cvt(w.device)
+        fp8_bits = fp8 and no_fp8_cvt(w.device)
     if fp8_bits:
         w = w.view(torch.uint8)
     grid_n = triton.cdiv(n, block_n)

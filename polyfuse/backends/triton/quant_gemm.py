@@ -1,10 +1,11 @@
 """The Triton dequantizing GEMM as ``linear_q`` / ``swiglu_linear_q`` for a few rows (batch decode): int4
-(gemm_gptq.py) and int8 (gemm_int8.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
+(gemm_gptq.py), int8 and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU folded into the
+activation loads.
 
 It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
-(for linear_q: dequant_mm.py, one dequantize kernel + cuBLAS, then the native reference; for swiglu_linear_q: the
-composite swiglu + linear_q).
+(for linear_q: dequant_mm.py, one dequantize kernel + cuBLAS, for int4 / int8, cuda's scaled_mm for fp8, then the
+native reference; for swiglu_linear_q: the composite swiglu + linear_q).
 """
 
 import os
@@ -16,7 +17,7 @@ from polyfuse.backends.triton._util import rows
 from polyfuse.backends.triton.quant_gemv import kernel_refusal
 
 
-FORMATS = ("int4", "int8")
+FORMATS = ("int4", "int8", "fp8")
 # Rows the GEMM takes: all rows of a decode batch fit one BLOCK_M <= 64 tile (the weight is read once per call).
 # Where dequantize + cuBLAS overtakes it is for the GPU to say (benchmark_linear.py --quant --rows 64,128,256):
 # POLYFUSE_QGEMM_MAX_ROWS moves the bound for such runs.
@@ -52,7 +53,7 @@ def _gemm(x, up, qweight, bias):
     if qweight.format == "int4":
         from polyfuse.backends.triton.gemm_gptq import gemm_gptq as kernel
     else:
-        from polyfuse.backends.triton.gemm_int8 import gemm_int8 as kernel
+        from polyfuse.backends.triton.gemm_scaled import gemm_scaled as kernel
     return kernel(rows(x, k), None if up is None else rows(up, k), qweight, bias)
 
 

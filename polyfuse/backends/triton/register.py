@@ -105,10 +105,10 @@ def implementations() -> list[Implementation]:
 
 
 QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
-GEMM_NOTE = "2..64 rows, int4/int8: Triton GEMM dequantizing in its loads"
+GEMM_NOTE = "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads"
 DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dtype + F.linear"
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8) -> dequant_mm (int4/int8, any rows) -> scaled_mm -> native.
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
 DEQUANT_PRIORITY = PRIORITY - 6
 
@@ -124,7 +124,7 @@ def _quant(op, name, module, priority, note, attr=None):
 
 def quant_implementations() -> list[Implementation]:
     """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its loads
-    (every format), a GEMM dequantizing in its loads for a few rows (int4, int8: batch decode), and for linear_q a
+    (every format), a GEMM dequantizing in its loads for a few rows (int4, int8, fp8: batch decode), and for linear_q a
     dequantize kernel + F.linear for any rows (int4, int8: prefill). Each declines (quietly: declining is the plan)
     what it does not take; the rest goes to the next choice, in the end the native dequantize + matmul (or, for
     swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the same chain)."""
