@@ -472,6 +472,10 @@ def bench_tp(args, device, dtype, flags, out) -> None:
     checkpoint with each rank's slices), decodes the same random prompts; rank 0 logs tokens/s, all-reduce ms per
     token, and per rank: shard size, peak device memory, peak host RSS. Peers: transformers' tp_plan="auto" on the
     peer shapes, in the same run."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <rank>`: where a rank is, for a report
     import transformers
 
     from polyfuse import distributed

@@ -153,8 +153,9 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     wd = dequantize(qw, x.dtype)
     ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
     fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
-    if gemm is not None:
+    if fmt in ("int4", "int8"):  # dequant_mm.py's formats (fp8 takes cuda's scaled_mm there)
         fns[f"{fmt}_dequant_cublas"] = lambda q: dequant_mm(x, q)
+    if gemm is not None:
         fns[f"{fmt}_gemm"] = lambda q: gemm(x, None, q)
     if fmt == "int4" and args.reshape:
         fns["int4_gemm_reshape"] = lambda q: gemm(x, None, q, reshape=True)
@@ -174,8 +175,9 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
                 continue
             fns[f"{fmt}_gemm_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"] = lambda q, cfg=cfg: gemm(x, None, q, tiles=cfg)
     if name.endswith("down"):
-        if gemm is not None:
+        if fmt in ("int4", "int8"):
             fns[f"swiglu+{fmt}_dequant_cublas"] = lambda q: dequant_mm(swiglu(x, up), q)
+        if gemm is not None:
             fns[f"swiglu+{fmt}_gemm"] = lambda q: gemm(x, up, q)
         if m == 1:
             fns[f"swiglu+{fmt}_gemv"] = lambda q: gemv_q_swiglu(x, up, q)

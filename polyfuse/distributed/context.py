@@ -137,16 +137,36 @@ def for_build(device, tp: Optional[TPContext] = None, training: bool = False) ->
     return tp
 
 
+# How long shutdown() waits for destroy_process_group (POLYFUSE_DESTROY_TIMEOUT_S). On 2 x H200 with NCCL, a decode
+# benchmark's processes twice stayed in their teardown past a 280 s call after printing every result (runs 19, 21);
+# the callers end the process with os._exit right after shutdown(), so a destroy still running then is abandoned.
+DESTROY_TIMEOUT_S = float(os.environ.get("POLYFUSE_DESTROY_TIMEOUT_S", "20"))
+
+
 def shutdown() -> None:
     """After the last collective: wait for every rank, destroy the process group, forget the context. (Then end the
     process with ``os._exit``, as ``launch.distributed_entry`` does: with gloo, torch 2.13's interpreter teardown
-    aborts now and then ("terminate called without an active exception") when the peer's exit races it.)"""
+    aborts now and then ("terminate called without an active exception") when the peer's exit races it.)
+
+    The destroy runs in a daemon thread given DESTROY_TIMEOUT_S seconds: when it has not returned by then, one
+    ``warning:`` line says so (with POLYFUSE_DESTROY_STACKS=1 also every thread's Python stack, for a report) and
+    shutdown returns, so the caller's ``os._exit`` ends the process instead of a rank hanging at exit."""
     global _context, _requested
     if dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+        import sys
+        import threading
+
+        dist.barrier()
+        done = threading.Thread(target=dist.destroy_process_group, name="destroy_process_group", daemon=True)
+        done.start()
+        done.join(DESTROY_TIMEOUT_S)
+        if done.is_alive():
+            print(f"warning: destroy_process_group did not return in {DESTROY_TIMEOUT_S:g} s; exiting without it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            if os.environ.get("POLYFUSE_DESTROY_STACKS") == "1":
+                import faulthandler
+
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
     _context, _requested = None, False
 
 

@@ -143,9 +143,10 @@ def store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m,
 # ---- launch choices -----------------------------------------------------------------------------------------------
 
 # Per format: (block_n, block_k, num_warps, num_stages); block_m follows the rows (16, 32 or 64: all rows of a decode
-# batch in one tile, so each weight byte is read once per call). A first guess for the H200 (132 SMs), not measured
-# on a GPU yet; POLYFUSE_QGEMM_TILES='{"int4": [64, 128, 4, 3]}' replaces entries (benchmark_linear.py sweeps them).
-TILES = {"int4": (64, 128, 4, 3), "int8": (64, 128, 4, 3), "fp8": (64, 128, 4, 3)}
+# batch in one tile, so each weight byte is read once per call). The least time summed over the Llama-3-8B
+# projections at 16 rows on one H200 (benchmark_linear.py --rows 16 --quant int4,int8,fp8 --qsweep, run 21: the
+# same tile won for all three formats); POLYFUSE_QGEMM_TILES='{"int4": [64, 128, 4, 3]}' replaces entries.
+TILES = {"int4": (32, 128, 4, 4), "int8": (32, 128, 4, 4), "fp8": (32, 128, 4, 4)}
 _env = os.environ.get("POLYFUSE_QGEMM_TILES")
 if _env:
     TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})

@@ -48,14 +48,15 @@ def store_out(Y, B, n, n_mask, y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
 
 
 # Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
-# 8; gguf: of 32). int8 / fp8 / int4: the best over the Llama-3-8B projections on one H200 (benchmark_linear.py
-# --quant int4,int8,fp8 --gemv_sweep, docs/benchmarks.md run 17); fp8_block and GGUF: not tuned on a GPU yet.
+# 8; gguf: of 32). int8 / fp8 / int4: the least time summed over the Llama-3-8B projections on one H200
+# (benchmark_linear.py --quant int4,int8,fp8 --gemv_sweep: run 17, and run 21 with tiles up to 64 KB, where int4's
+# 1024 x 128 with 8 warps beat run 17's 128 x 128 by 12%); fp8_block and GGUF: not tuned on a GPU yet.
 # POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces entries.
 TILES = {
     "int8": (8, 1024, 4, 3),
     "fp8": (8, 1024, 4, 3),
     "fp8_block": (16, 128, 4, 3),
-    "int4": (128, 128, 8, 3),
+    "int4": (1024, 128, 8, 3),
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
