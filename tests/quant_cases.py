@@ -38,12 +38,12 @@ CASE_FORMATS = (*FORMATS, "int4_act")
 
 
 def _shapes(big):
-    # (leading dims of x, K, N): one row (the GEMV), a decode batch of 16 and 6 / 28 rows (the GEMM for int4 and
-    # int8), a 128-token prefill (dequantize + matmul)
+    # (leading dims of x, K, N): one row (the GEMV), a decode batch of 16 and 6 / 28 rows (the GEMM for int4, int8
+    # and fp8), a 128-token (GPU) / 80-token (CPU) prefill (dequantize + matmul; fp8: its activations quantized)
     if big:
         return [((1, 1), 4096, 4096), ((1, 1), 14336, 4096), ((4, 7), 4096, 1024), ((16, 1), 4096, 6144),
                 ((1, 128), 4096, 1024)]  # fmt: skip
-    return [((1, 1), 288, 40), ((3, 2), 96, 24), ((16, 1), 256, 72)]
+    return [((1, 1), 288, 40), ((3, 2), 96, 24), ((16, 1), 256, 72), ((2, 40), 96, 24)]
 
 
 BIAS_LEADS = ((1, 1), (16, 1))

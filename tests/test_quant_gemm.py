@@ -214,8 +214,8 @@ def recording_kernels(calls):
 def test_which_implementation_takes_which_rows(dtype):
     """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows: linear_q's
     dequantize kernel + F.linear (int4 / int8), and for swiglu_linear_q its composite (swiglu, then linear_q's same
-    chain); other formats with more than one row and fp8 with more than 64: scaled_mm where it takes them (fp8,
-    bf16), else the native reference (nothing recorded).
+    chain); other formats with more than one row and fp8 with more than 64: fp8_scaled_mm where it takes them
+    (fp8, bf16), else the native reference (nothing recorded).
     Results equal the reference."""
     from helpers import cpu_scaled_mm_missing
 
@@ -231,9 +231,9 @@ def test_which_implementation_takes_which_rows(dtype):
                 want = "gemm_q"
             elif fmt in ("int4", "int8"):
                 want = "dequant_mm"
-            else:
-                want = "scaled_mm" if fmt == "fp8" and dtype == torch.bfloat16 else None
-            if want == "scaled_mm" and cpu_scaled_mm_missing():
+            else:  # fp8 prefill: the activations quantized per token by a Triton kernel, then torch._scaled_mm
+                want = "fp8_scaled_mm" if fmt == "fp8" and dtype == torch.bfloat16 else None
+            if want == "fp8_scaled_mm" and cpu_scaled_mm_missing():
                 continue
             x, gate, up = (torch.randn(m, 256, generator=gen).to(dtype) for _ in range(3))
             for op, args, act in (("linear_q", (x.view(1, m, 256),), x),
@@ -241,7 +241,7 @@ def test_which_implementation_takes_which_rows(dtype):
                 calls.clear()
                 y = getattr(kern, op)(*args, qw)
                 assert calls == ([want] if want else []), (op, fmt, m, calls)
-                if want != "scaled_mm":  # scaled_mm quantizes x too (test_quantization.py checks its arithmetic)
+                if want != "fp8_scaled_mm":  # scaled_mm quantizes x too (test_quantization.py checks its arithmetic)
                     assert err(y.view(m, 48), reference(act, qw)) < BOUND[dtype], (op, fmt, m)
 
 
@@ -298,7 +298,8 @@ def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
 
 def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     """examples/benchmark_linear.py --quant's timing function on a small shape (the CUDA-graph timer replaced by two
-    calls, on the first and last weight copy): every kernel row is checked against the reference and timed, none reports an error."""
+    calls, on the first and last weight copy): every kernel row is checked against the reference and timed, none
+    reports an error."""
     import importlib.util
     import os
 
@@ -319,8 +320,8 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
         assert not [r for r in logged if "error" in r], logged
         want = {f"{fmt}_native", f"{fmt}_dequant_cublas", f"{fmt}_gemm", f"{fmt}_gemm_32x64_w4s2",
                 f"swiglu+{fmt}_dequant_cublas", f"swiglu+{fmt}_gemm"}  # fmt: skip
-        if fmt == "fp8":  # no GEMM for fp8: the GEMV rows only
-            want = {"fp8_native"}
+        if fmt == "fp8":  # the GEMM, no dequantize kernel (fp8 prefill takes scaled_mm)
+            want = {"fp8_native", "fp8_gemm", "fp8_gemm_32x64_w4s2", "swiglu+fp8_gemm"}
         sweep = "64x64_w4s2" if fmt == "int4" else "8x128_w4s2"
         want |= {f"{fmt}_gemv", f"swiglu+{fmt}_gemv", f"{fmt}_gemv_{sweep}"} if m == 1 else set()
         want |= {"int4_gemm_reshape"} if fmt == "int4" else set()

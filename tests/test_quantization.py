@@ -180,6 +180,44 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
     assert rel(got.float(), torch.nn.functional.linear(x, qf.dequantize(qw, torch.bfloat16)).float()) > 4e-3
 
 
+def test_triton_fp8_row_quantization_is_torchs():
+    """triton:fp8_scaled_mm's one-kernel per-token quantization writes the bytes and scales of the plain-torch one
+    (cuda:scaled_mm's: amax / 448, divide, clamp, cast), on bf16 rows with an all-zero row, an outlier and values
+    that land among the e4m3 subnormals; its e4m3 encoding equals torch's cast on every e4m3 value, every midpoint
+    between neighbours (ties to even) and values just off them; and the GEMM on top equals cuda:scaled_mm's."""
+    from helpers import cpu_scaled_mm_missing
+
+    from polyfuse.backends.cuda import scaled_mm as plain
+    from polyfuse.backends.triton import scaled_mm as fused
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU's own fp8 cast, or the interpreter
+    gen = torch.Generator().manual_seed(11)
+    for k in (96, 4096):
+        x = (torch.randn(67, k, generator=gen) * 3).bfloat16()
+        x[3] = 0
+        x[5, 7] = 1e4
+        x[6] = (torch.randn(k, generator=gen) * 1e-3).bfloat16()
+        x[6, 0] = 100
+        x = x.to(dev)
+        (q1, s1), (q2, s2) = fused.quantize_rows(x), plain.quantize_rows(x)
+        assert q1.dtype == torch.float8_e4m3fn and torch.equal(s1, s2)
+        assert torch.equal(q1.view(torch.uint8), q2.view(torch.uint8)), k
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    probe = torch.cat([vals, mids, vals * 1.001, mids * 0.999, mids * 1.001])
+    probe = probe[probe <= 448.0]
+    probe = torch.cat([probe, -probe, torch.tensor([448.0])]).view(1, -1).to(dev)  # 448: the row's scale is 1
+    q, s = fused.quantize_rows(probe)
+    assert s.item() == 1.0
+    assert torch.equal(q.view(torch.uint8), probe.to(torch.float8_e4m3fn).view(torch.uint8))
+    if dev == "cpu" and cpu_scaled_mm_missing():
+        return
+    qw = quantized("fp8", 48, 96, dev)
+    x = (torch.randn(2, 40, 96, generator=gen) * 3).bfloat16().to(dev)
+    assert fused.accepts_linear_q(x, qw) is None and fused.accepts_linear_q(x[:, :30], qw)  # 60 rows: the GEMM's
+    assert torch.equal(fused.linear_q(x, qw), plain.linear_q(x, qw))
+
+
 # ---- the tiny model: load, save, checkpoints ---------------------------------------------------------------------
 
 

@@ -27,6 +27,49 @@ def swiglu_linear_q_native(gate, up, qweight: QuantizedWeight, bias: Optional[to
     return F.linear(swiglu_native(gate, up), dequantize(qweight, gate.dtype), bias)
 
 
+# ---- row-wise scaled fp8 GEMM: what the implementations calling torch._scaled_mm share -----------------------------
+
+
+def scaled_mm_probe(ctx) -> Optional[str]:
+    """Why a run cannot use torch._scaled_mm with row-wise scales (None: it can): training, no _scaled_mm in this
+    torch, a GPU without fp8 tensor cores (compute capability below 8.9), activations other than bfloat16."""
+    if ctx.training:
+        return "inference only"
+    if not hasattr(torch, "_scaled_mm"):
+        return "torch has no _scaled_mm"
+    cap = tuple(ctx.platform.capability or ())
+    if cap and cap < (8, 9):
+        return f"fp8 tensor cores need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    if ctx.dtype != torch.bfloat16:
+        return f"row-wise fp8 scaled_mm needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
+    return None
+
+
+def scaled_mm_refusal(x: torch.Tensor, qweight: QuantizedWeight) -> Optional[str]:
+    """Why torch._scaled_mm with row-wise scales does not take this call (None: it does)."""
+    if qweight.format != "fp8":
+        return f"{qweight.format} weights (takes per-channel fp8)"
+    if x.dtype != torch.bfloat16:
+        return "row-wise scaled_mm needs bfloat16 activations"
+    n, k = qweight.shape
+    if k % 16 or n % 16 or x.shape[-1] != k:
+        return "K and N must be multiples of 16"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return "needs gradients"
+    return None
+
+
+def scaled_mm_rows(xq: torch.Tensor, scale_a: torch.Tensor, qweight: QuantizedWeight, x: torch.Tensor, bias=None):
+    """y = (xq * scale_a) @ (qweight * its channel scales).T in x's dtype and shape: e4m3 rows xq [M, K] with
+    float32 scales [M, 1] (how they were quantized is the caller's), on the fp8 tensor cores."""
+    n = qweight.shape[0]
+    w = qweight.qweight  # [N, K] row-major: its transpose is the column-major mat2 scaled_mm wants
+    y = torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], n)
+
+
 def compose_swiglu_linear_q(kernels):
     """linear_q(swiglu(gate, up)) from the run's own choices of both ops."""
 

@@ -50,18 +50,9 @@ SCALED_MM_NOTE = "per-channel fp8 weights, bf16: x quantized to e4m3 per token +
 
 
 def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
-    if ctx.training:
-        return "inference only"
-    if not hasattr(torch, "_scaled_mm"):
-        return "torch has no _scaled_mm"
-    cap = tuple(ctx.platform.capability or ())
-    if cap and cap < (8, 9):
-        return f"fp8 tensor cores need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
-    if ctx.dtype not in DTYPES:
-        return f"dtype {str(ctx.dtype).replace('torch.', '')} unsupported"
-    if ctx.dtype != torch.bfloat16:
-        return f"row-wise fp8 scaled_mm needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
-    return None
+    from polyfuse.ops.quant_linear import scaled_mm_probe
+
+    return scaled_mm_probe(ctx)
 
 
 def _scaled_mm() -> Implementation:

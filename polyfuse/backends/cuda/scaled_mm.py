@@ -1,31 +1,27 @@
 """fp8 weights on NVIDIA's fp8 tensor cores: ``torch._scaled_mm`` with the activations quantized to e4m3 per token
-(one scale per row: amax / 448) and the weight's per-channel scales (row-wise scaling, bfloat16 output).
+(one scale per row: amax / 448) by plain torch ops, and the weight's per-channel scales (row-wise scaling, bfloat16
+output). The Triton backend's triton:scaled_mm (backends/triton/scaled_mm.py) is the same GEMM with the per-token
+quantization in one kernel, ranked above this one; this is what runs without Triton.
 
-It takes per-channel ``fp8`` weights with bfloat16 activations, K and N multiples of 16; every other call (other
-formats, other dtypes) is declined to the registry's next choice. The activations' quantization makes it W8A8: its
-results differ from the weight-only reference by the e4m3 rounding of the activations (about 2% relative).
+It takes per-channel ``fp8`` weights with bfloat16 activations, K and N multiples of 16 (ops/quant_linear.py
+``scaled_mm_refusal``); every other call is declined to the registry's next choice. The activations' quantization
+makes it W8A8: its results differ from the weight-only reference by the e4m3 rounding of the activations (about 2%
+relative).
 """
 
 from typing import Optional
 
 import torch
 
+from polyfuse.ops.quant_formats import FP8_MAX
+from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
+
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
-    if qweight.format != "fp8":
-        return f"{qweight.format} weights (takes per-channel fp8)"
-    if x.dtype != torch.bfloat16:
-        return "row-wise scaled_mm needs bfloat16 activations"
-    n, k = qweight.shape
-    if k % 16 or n % 16 or x.shape[-1] != k:
-        return "K and N must be multiples of 16"
-    if torch.is_grad_enabled() and x.requires_grad:
-        return "needs gradients"
-    return None
+    return scaled_mm_refusal(x, qweight)
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,10 +31,5 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def linear_q(x, qweight, bias=None):
-    n, k = qweight.shape
-    xq, scale_a = quantize_rows(x.reshape(-1, k))
-    w = qweight.qweight  # [N, K] row-major: its transpose is the column-major mat2 scaled_mm wants
-    y = torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], n)
+    xq, scale_a = quantize_rows(x.reshape(-1, qweight.shape[1]))
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias)

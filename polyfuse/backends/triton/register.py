@@ -107,16 +107,27 @@ def implementations() -> list[Implementation]:
 QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
 GEMM_NOTE = "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads"
 DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dtype + F.linear"
+SCALED_MM_NOTE = (
+    "per-channel fp8, bf16, > 64 rows: x quantized to e4m3 per token by one Triton kernel + torch._scaled_mm"
+)
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> scaled_mm -> native.
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> fp8_scaled_mm (fp8,
+# more rows) -> cuda:scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
 DEQUANT_PRIORITY = PRIORITY - 6
+SCALED_MM_PRIORITY = PRIORITY - 8
 
 
-def _quant(op, name, module, priority, note, attr=None):
+def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
+    from polyfuse.ops.quant_linear import scaled_mm_probe
+
+    return probe_inference(ctx) or scaled_mm_probe(ctx)
+
+
+def _quant(op, name, module, priority, note, attr=None, probe=probe_inference):
     mod = f"polyfuse.backends.triton.{module}"
     return Implementation(
-        op, name, BACKEND, DEVICES, lazy_function(mod, attr or op), priority, probe_inference,
+        op, name, BACKEND, DEVICES, lazy_function(mod, attr or op), priority, probe,
         supports_backward=False, note=note, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_" + op),
         quiet_decline=True,
     )  # fmt: skip
@@ -125,7 +136,8 @@ def _quant(op, name, module, priority, note, attr=None):
 def quant_implementations() -> list[Implementation]:
     """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its loads
     (every format), a GEMM dequantizing in its loads for a few rows (int4, int8, fp8: batch decode), and for linear_q a
-    dequantize kernel + F.linear for any rows (int4, int8: prefill). Each declines (quietly: declining is the plan)
+    dequantize kernel + F.linear for any rows (int4, int8: prefill) and fp8 activations quantized per token by one
+    kernel + torch._scaled_mm (fp8, bf16: prefill). Each declines (quietly: declining is the plan)
     what it does not take; the rest goes to the next choice, in the end the native dequantize + matmul (or, for
     swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the same chain)."""
     out = []
@@ -133,6 +145,9 @@ def quant_implementations() -> list[Implementation]:
         out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))
         out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE))
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
+    out.append(
+        _quant("linear_q", "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY, SCALED_MM_NOTE, probe=probe_scaled_mm)
+    )
     return out
 
 
