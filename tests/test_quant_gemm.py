@@ -1,15 +1,15 @@
-"""int4 / int8 weights for more than one row (issue 12): the Triton dequantizing GEMM (batch decode, 2..64 rows:
-backends/triton/gemm_gptq.py, gemm_scaled.py) and the dequantize kernel + F.linear (prefill: dequant_mm.py), on the CPU
-through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
+"""int4 / int8 / fp8 weights for more than one row (issue 12): the Triton dequantizing GEMM (batch decode, 2..64
+rows: backends/triton/gemm_gptq.py, gemm_scaled.py) and the dequantize kernel + F.linear (prefill: dequant_mm.py), on
+the CPU through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without a GPU).
 
 * the GEMM against the reference (the dequantized weight times x, in float64) for several row counts, N not a
   multiple of the tile, K of whole and partial groups, bias, SwiGLU folded, act-order, split K, both int4 unpackings,
   float32 / float16 / bfloat16 activations;
-* the same check fails on a weight whose zero point or group is off by one, or whose int8 scale is off by 1%: the
+* the same check fails on a weight whose zero point or group is off by one, or whose int8 / fp8 channel scale is off by 1%: the
   bounds are tight enough to see such a kernel error;
 * the dequantize kernel equals ``quant_formats.dequantize`` bit for bit;
-* the registry on an NVIDIA-like selection: gemv_q -> gemm_q -> dequant_mm -> scaled_mm -> native, and which of them
-  takes a call for 1, 2..64 and more rows, per format.
+* the registry on an NVIDIA-like selection: gemv_q -> gemm_q -> dequant_mm -> fp8_scaled_mm -> scaled_mm -> native,
+  and which of them takes a call for 1, 2..64 and more rows, per format.
 (tests/test_kernels_conformance.py runs the new implementations on tests/quant_cases.py like every other.)
 """
 
@@ -128,7 +128,8 @@ def _tampered(qw, how):
 )  # fmt: skip
 def test_the_check_sees_a_wrong_zero_group_or_scale(fmt, how, dtype):
     """The bound of test_gemm_against_the_reference fails when the kernel computes with a zero point or group off
-    by one (or an int8 / fp8 channel's scale 1% off, float32): the comparison can fail for the errors such a kernel would make."""
+    by one (or an int8 / fp8 channel's scale 1% off, float32): the comparison can fail for the errors such a kernel
+    would make."""
     if how == "channel_scale" and dtype == torch.bfloat16:
         pytest.skip("1% of one column is within two bf16 ulps")
     kernel = kernel_for(fmt)
@@ -185,7 +186,8 @@ def nvidia_context():
 def test_nvidia_chain_order():
     ctx = nvidia_context()
     lq, sq = registry.select("linear_q", ctx), registry.select("swiglu_linear_q", ctx)
-    assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "dequant_mm", "scaled_mm"]
+    assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "dequant_mm", "fp8_scaled_mm",
+                                                                     "scaled_mm"]  # fmt: skip
     assert [sq.implementation.name] + [i.name for i in sq.then] == ["gemv_q", "gemm_q"]
     cpu = registry.select("linear_q", dataclasses.replace(ctx, device=torch.device("cpu"), platform=None))
     assert cpu.implementation.name == registry.NATIVE
@@ -241,7 +243,7 @@ def test_which_implementation_takes_which_rows(dtype):
                 calls.clear()
                 y = getattr(kern, op)(*args, qw)
                 assert calls == ([want] if want else []), (op, fmt, m, calls)
-                if want != "fp8_scaled_mm":  # scaled_mm quantizes x too (test_quantization.py checks its arithmetic)
+                if want != "fp8_scaled_mm":  # it quantizes x too (test_quantization.py checks its arithmetic)
                     assert err(y.view(m, 48), reference(act, qw)) < BOUND[dtype], (op, fmt, m)
 
 

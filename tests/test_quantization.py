@@ -626,7 +626,7 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     assert fmts == {"gguf_q4_1" if quant == "gguf" else quant}
     chain = model.kernels.choices["linear_q"]
     assert chain.implementation.name == "gemv_q"
-    fp8_mm = ["scaled_mm"] if torch.cuda.get_device_capability() >= (8, 9) else []
+    fp8_mm = ["fp8_scaled_mm", "scaled_mm"] if torch.cuda.get_device_capability() >= (8, 9) else []
     assert [i.name for i in chain.then] == ["gemm_q", "dequant_mm"] + fp8_mm
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 1345, 30]], device="cuda")
     a = dense.generate(ids, max_new_tokens=16, ignore_eos=True)
