@@ -44,7 +44,11 @@ REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays
 # Implementations compared with the float32 reference in every dtype: swiglu_linear's training form rounds
 # silu(gate) * up once (the native op rounds silu first): at I = 14336 in bf16 that differs from the low-precision
 # reference by more than the bound (H200 run 17), while both are within it of the float32 result.
-REF_IN_FLOAT32_IMPLS = {("swiglu_linear", "triton_recompute")}
+# The quantized one-row GEMV multiplies the float32 dequantized weight and rounds once; the native reference rounds
+# the dequantized weight to the activations' dtype first. At K = 14336 in fp16 (bf16) that rounding alone moves
+# outputs by more than the bound (run 21's GPU failures, reproduced on the CPU: the GEMV matched the float32-weight
+# result to 1e-4 where the native one sat 2.5e-3 away, as the fp16-weight result does).
+REF_IN_FLOAT32_IMPLS = {("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q")}
 # Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
 LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0, "swiglu_linear": 2.0, "swiglu_linear_q": 2.0}
 # float32 ops that sum long rows (K up to 14336) in another order than the library GEMM.
@@ -52,6 +56,10 @@ LOOSEN_FP32 = {"linear": 4.0, "swiglu_linear": 4.0, "linear_q": 4.0, "swiglu_lin
 # Implementations whose numerics differ from the reference by design: fp8 scaled_mm also quantizes the activations
 # to e4m3 per token (~2% relative; tests/test_quantization.py checks it tightly against that arithmetic).
 LOOSEN_IMPL = {("linear_q", "scaled_mm"): 8.0, ("linear_q", "fp8_scaled_mm"): 8.0}
+# ... and that error is a fraction of the output's scale, not of each element: an output near zero gets an error of
+# ~2% of the outputs' rms (at K = 14336 and unit activations about 0.12, beyond any fixed absolute bound). For these
+# the absolute bound is at least this fraction of the reference's rms (about 7 standard deviations of that error).
+ATOL_OF_RMS = {("linear_q", "scaled_mm"): 0.15, ("linear_q", "fp8_scaled_mm"): 0.15}
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 DTYPES = [pytest.param(d, id=str(d).replace("torch.", "")) for d in (torch.float32, torch.bfloat16, torch.float16)]
@@ -415,8 +423,10 @@ def _as_tuple(out):
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def assert_close(actual, expected, tol, what, loosen=1.0):
+def assert_close(actual, expected, tol, what, loosen=1.0, atol_of_rms=0.0):
     atol, rtol, rel_norm = (t * loosen for t in tol)
+    if atol_of_rms:
+        atol = max(atol, atol_of_rms * expected.detach().double().pow(2).mean().sqrt().item())
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     a, b = actual.detach().double().cpu(), expected.detach().double().cpu()
@@ -500,6 +510,9 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
         upcast = (op, dtype) in REF_IN_FLOAT32 or ((op, impl_name) in REF_IN_FLOAT32_IMPLS and dtype != torch.float32)
         if upcast and case_id.startswith("train"):
             upcast = (op, dtype) in REF_IN_FLOAT32  # gradient cases keep their low-precision reference
+        if upcast and (op, dtype) not in REF_IN_FLOAT32 and impl.accepts is not None:
+            args, kwargs, _ = make()  # a case the implementation declines runs the native op in the inputs' dtype
+            upcast = impl.accepts(*args, **kwargs) is None
         if upcast and impl.name != registry.NATIVE:
             ref_outs, ref_grads = _run(spec.native, _upcast(make), impl.supports_backward, dtype, side)
             if (op, dtype) not in REF_IN_FLOAT32:  # the float32 result rounded once to the inputs' dtype
@@ -513,7 +526,8 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
         assert len(outs) == len(ref_outs), f"{case_id}: {len(outs)} outputs, reference has {len(ref_outs)}"
         for i, (o, r) in enumerate(zip(outs, ref_outs)):
             assert o.device == r.device
-            assert_close(o, r, TOL[dtype], f"{op}:{impl_name} {case_id} output {i}", loosen)
+            assert_close(o, r, TOL[dtype], f"{op}:{impl_name} {case_id} output {i}", loosen,
+                         ATOL_OF_RMS.get((op, impl_name), 0.0))  # fmt: skip
         if impl.supports_backward and grads is not None:
             for i, (g, rg) in enumerate(zip(grads, ref_grads)):
                 assert (g is None) == (rg is None), f"{case_id}: gradient {i} presence differs"
