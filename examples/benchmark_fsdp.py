@@ -7,8 +7,9 @@ layer), random weights in a real shape, the same data, optimizer and gradient ch
     torchrun --nproc-per-node 2 examples/benchmark_fsdp.py --shape tiny          # CPU smoke test (gloo)
 
 Each rank draws the model's random weights (on its GPU, then moved to host memory: bf16, 16 GB for the 8B shape; the
-same seed everywhere), and the Trainer's FSDP2 preparation moves only the rank's shard of each layer to its GPU, so no GPU ever holds the
-whole model. Weights, gradients and AdamW state are in the weights' dtype (no fp32 master copy: ``bf16`` is off,
+same seed everywhere), and the Trainer's FSDP2 preparation moves only the rank's shard of each layer back to its
+GPU, so no GPU holds the whole model while it trains (the build's GPU copy is freed before the first step, and the
+peaks are reset after the warm-up steps). Weights, gradients and AdamW state are in the weights' dtype (no fp32 master copy: ``bf16`` is off,
 as in examples/benchmark_training.py); the optimizer is torch's fused AdamW. After ``--warmup`` steps the next
 ``--steps`` are timed: tokens/s per GPU (each rank's batch x sequence per step over the slowest rank's time) and the
 per-GPU peak of ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` (the largest over the ranks). Rank 0

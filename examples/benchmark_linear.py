@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Decode-time linear layers (one row, M=1) on the real weight shapes: cuBLAS, cuBLASLt and the Triton GEMV; with
---quant, the quantized-weight kernels beside them (int4 / int8: the one-row GEMV, the dequantizing GEMM for batch
-decode, dequantize + cuBLAS for prefill, and the native reference they replace).
+--quant, the quantized-weight kernels beside them (int4 / int8 / fp8: the one-row GEMV and the dequantizing GEMM for
+batch decode; int4 / int8: dequantize + cuBLAS for prefill; and the native reference they replace).
 
     python examples/benchmark_linear.py --output linear.jsonl     # NVIDIA GPU only
     python examples/benchmark_linear.py --shapes 8b.o,8b.qkv,8b.gate_up,8b.down --rows 1,16,64,256,2048 --no-triton \
-        --quant int4,int8                                          # bf16 cuBLAS vs int4 / int8 kernels
+        --quant int4,int8,fp8                                      # bf16 cuBLAS vs the quantized kernels
     python examples/benchmark_linear.py --shapes 8b.o,8b.down,8b.gate_up --rows 16 --no-triton --quant int4 --qsweep
 
 Each case is timed as a CUDA graph of back-to-back calls over rotating weight copies (more bytes than the L2 holds,
@@ -72,8 +72,8 @@ CONFIGS = [  # block_n, block_k, num_warps, num_stages
 ]  # fmt: skip
 # --qsweep: dequantizing GEMM tiles (block_n, block_k, num_warps, num_stages; block_m from the rows), beside the default
 QCONFIGS = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (64, 128) for nw in (4, 8) for ns in (2, 4)]
-# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout. Run 17's
-# sweep stopped at 8 KB of weights per loop step; the larger tiles (up to 64 KB, 16 warps) keep more bytes in flight.
+# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout.
+# Run 17's sweep stopped at 8 KB of weights per loop step; the larger tiles (up to 64 KB, 16 warps) keep more bytes in flight.
 GEMV_QCONFIGS = {
     "int4": [(bn, bk, nw, ns) for bn in (64, 128, 256, 512, 1024) for bk in (64, 128) for nw in (4, 8, 16)
              for ns in (2, 3) if 8192 <= bn * bk <= 131072 and not (nw == 4 and bn * bk > 32768)
@@ -85,7 +85,7 @@ GEMV_QCONFIGS = {
 
 
 def best_tiles(rows: list) -> dict:
-    """{"gemv" | "gemm": {format: [tile]}}: per format, the swept tile with the least time summed over every shape
+    """{"gemv" | "gemm": {"format@rows": {"tile": [...], "us_sum": us}}}: per format and row count, the swept tile with the least time summed over every shape
     it ran on (a tile missing on a shape, by error, does not qualify): the values for POLYFUSE_QGEMV_TILES /
     POLYFUSE_QGEMM_TILES."""
     import re
@@ -153,7 +153,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     wd = dequantize(qw, x.dtype)
     ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
     fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
-    if fmt in ("int4", "int8"):  # dequant_mm.py's formats (fp8 takes cuda's scaled_mm there)
+    if fmt in ("int4", "int8"):  # dequant_mm.py's formats (fp8 prefill takes triton:fp8_scaled_mm)
         fns[f"{fmt}_dequant_cublas"] = lambda q: dequant_mm(x, q)
     if gemm is not None:
         fns[f"{fmt}_gemm"] = lambda q: gemm(x, None, q)
@@ -208,7 +208,7 @@ def main():
     p.add_argument(
         "--quant",
         default="",
-        help="comma list of weight formats to time beside bf16: int4, int8 (fp8, fp8_block: GEMV)",
+        help="comma list of weight formats to time beside bf16: int4, int8, fp8 (fp8_block: GEMV only)",
     )
     p.add_argument("--gemv_sweep", action="store_true", help="with --quant and rows 1: sweep the one-row GEMV's tiles")
     p.add_argument("--qsweep", action="store_true", help="with --quant: also sweep the GEMM's tiles (QCONFIGS)")

@@ -5,8 +5,8 @@ the CPU through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without
 * the GEMM against the reference (the dequantized weight times x, in float64) for several row counts, N not a
   multiple of the tile, K of whole and partial groups, bias, SwiGLU folded, act-order, split K, both int4 unpackings,
   float32 / float16 / bfloat16 activations;
-* the same check fails on a weight whose zero point or group is off by one, or whose int8 / fp8 channel scale is off by 1%: the
-  bounds are tight enough to see such a kernel error;
+* the same check fails on a weight whose zero point or group is off by one, or whose int8 / fp8 channel scale is off
+  by 1%: the bounds are tight enough to see such a kernel error;
 * the dequantize kernel equals ``quant_formats.dequantize`` bit for bit;
 * the registry on an NVIDIA-like selection: gemv_q -> gemm_q -> dequant_mm -> fp8_scaled_mm -> scaled_mm -> native,
   and which of them takes a call for 1, 2..64 and more rows, per format.
@@ -189,6 +189,10 @@ def test_nvidia_chain_order():
     assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "dequant_mm", "fp8_scaled_mm",
                                                                      "scaled_mm"]  # fmt: skip
     assert [sq.implementation.name] + [i.name for i in sq.then] == ["gemv_q", "gemm_q"]
+    from polyfuse.core.platform import Platform
+
+    rocm = dataclasses.replace(ctx, platform=Platform("rocm", "cuda", "AMD Instinct MI300X", (9, 4)))
+    assert "fp8_scaled_mm" not in [i.name for i in registry.select("linear_q", rocm).then]  # e4m3fn is NVIDIA's
     cpu = registry.select("linear_q", dataclasses.replace(ctx, device=torch.device("cpu"), platform=None))
     assert cpu.implementation.name == registry.NATIVE
 
@@ -328,3 +332,31 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
         want |= {f"{fmt}_gemv", f"swiglu+{fmt}_gemv", f"{fmt}_gemv_{sweep}"} if m == 1 else set()
         want |= {"int4_gemm_reshape"} if fmt == "int4" else set()
         assert set(rows) == want, set(rows) ^ want
+
+
+def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
+    """fp8 weights on an A100 (no fp8 tensor cores): one warning line naming the one-row GEMV and the batch GEMM
+    (which decodes fp8 bits itself) and that the rest dequantizes; on the CPU, that every call dequantizes."""
+    import logging
+    from types import SimpleNamespace
+
+    from polyfuse.core.context import SelectionContext
+    from polyfuse.core.platform import Platform
+    from polyfuse.engine import quantize as qz
+
+    monkeypatch.setattr(qz, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8")})
+    a100 = Platform("cuda", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
+    for ctx, want in (
+        (SelectionContext(torch.device("cuda"), torch.bfloat16, platform=a100),
+         "warning: fp8 weights on NVIDIA A100-SXM4-80GB (compute capability 8.0): no fp8 tensor cores; they stay fp8 "
+         "and one-row decode runs triton:gemv_q, 2..64 rows triton:gemm_q, other calls dequantize them (dequantize + "
+         "F.linear)"),
+        (SelectionContext(torch.device("cpu"), torch.bfloat16),
+         "warning: fp8 weights on cpu: no fp8 matmul here; they stay fp8 and every call dequantizes them (dequantize "
+         "+ F.linear)"),
+    ):  # fmt: skip
+        kernels = registry.Kernels({"linear_q": registry.select("linear_q", ctx)}, ctx)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
+        assert [r.getMessage() for r in caplog.records] == [want]

@@ -330,3 +330,29 @@ def test_spawn_launcher_one_error_line(one_head_model):
     assert p.returncode == 2, p.stderr
     assert len(_error_lines(p.stderr)) == 1 and "cannot split this model" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr, p.stderr
+
+
+def test_shutdown_does_not_wait_forever_on_a_hung_destroy(monkeypatch, capsys):
+    """Run 21 (2 x H200): after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
+    exit. shutdown() gives it DESTROY_TIMEOUT_S, says so in one warning line and returns (the caller then exits)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from polyfuse.distributed import context
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    real, release = dist.destroy_process_group, threading.Event()
+    try:
+        monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: release.wait(60))
+        monkeypatch.setattr(context, "DESTROY_TIMEOUT_S", 0.3)
+        t0 = time.perf_counter()
+        context.shutdown()
+        assert time.perf_counter() - t0 < 10
+        err = capsys.readouterr().err
+        assert err.strip() == "warning: destroy_process_group did not return in 0.3 s; exiting without it", err
+    finally:
+        release.set()
+        monkeypatch.undo()
+        if dist.is_initialized():
+            real()

@@ -156,10 +156,13 @@ def shutdown() -> None:
         import sys
         import threading
 
-        dist.barrier()
-        done = threading.Thread(target=dist.destroy_process_group, name="destroy_process_group", daemon=True)
-        done.start()
-        done.join(DESTROY_TIMEOUT_S)
+        try:
+            dist.barrier()
+        finally:
+            done = threading.Thread(target=dist.destroy_process_group, name="destroy_process_group", daemon=True)
+            done.start()
+            done.join(DESTROY_TIMEOUT_S)
+            _context, _requested = None, False
         if done.is_alive():
             print(f"warning: destroy_process_group did not return in {DESTROY_TIMEOUT_S:g} s; exiting without it",
                   file=sys.stderr, flush=True)  # fmt: skip

@@ -596,9 +596,11 @@ def warn_unaccelerated(model) -> None:
         where = "fp8_block weights: no block-scaled fp8 matmul yet"
     c = model.kernels.choices["linear_q"]
     impl = c.implementation
+    gemm = next((i for i in c.then if i.name == "gemm_q"), None)  # per-channel fp8 (not fp8_block), 2..64 rows
+    batch = f", 2..64 rows {gemm.backend}:{gemm.name}" if gemm is not None and "fp8" in fmts else ""
     runs = (
         "every call dequantizes them"
         if impl.name == "native"
-        else (f"one-row decode runs {impl.backend}:{impl.name}, other calls dequantize them")
+        else f"one-row decode runs {impl.backend}:{impl.name}{batch}, other calls dequantize them"
     )
     logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)

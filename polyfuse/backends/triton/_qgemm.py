@@ -1,7 +1,7 @@
-"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_scaled.py: int8 and fp8) and of the dequantize kernel
-(dequant_mm.py): the weight tile dequantized in registers exactly as the reference does it (float32, then one
-rounding to the activations' dtype), the activation tile with SwiGLU folded in, the tile product, the split-K
-epilogue, the default tiles and the split choice.
+"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_scaled.py: int8 and fp8) and of the
+dequantize kernel (dequant_mm.py): the weight tile dequantized in registers exactly as the reference does it
+(float32, then one rounding to the activations' dtype), the activation tile with SwiGLU folded in, the tile product,
+the split-K epilogue, the default tiles and the split choice.
 
 Split K (SPLIT > 1) is one launch: every program writes its float32 partial tile to a workspace [SPLIT, M, N]; the
 last program of an output tile to finish (an int32 counter per tile, kept per device and reset by that program, as

@@ -121,6 +121,8 @@ SCALED_MM_PRIORITY = PRIORITY - 8
 def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     from polyfuse.ops.quant_linear import scaled_mm_probe
 
+    if ctx.platform is not None and ctx.platform.name != "cuda":  # ROCm's fp8 is another e4m3 variant
+        return f"row-wise e4m3fn scaled_mm: NVIDIA only (platform {ctx.platform.name})"
     return probe_inference(ctx) or scaled_mm_probe(ctx)
 
 

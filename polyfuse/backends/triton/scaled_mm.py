@@ -47,7 +47,7 @@ def _quantize_rows_kernel(X, Q, S, K, sx, sq, FP8_MAX: tl.constexpr, BLOCK_K: tl
     k = tl.arange(0, BLOCK_K)
     mask = k < K
     x = tl.load(X + r * sx + k, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)  # IEEE division, as torch's
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     tl.store(Q + r * sq + k, e4m3_bits(q), mask=mask)
     tl.store(S + r, scale)
