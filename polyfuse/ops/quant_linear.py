@@ -40,8 +40,11 @@ def scaled_mm_probe(ctx) -> Optional[str]:
     cap = tuple(ctx.platform.capability or ())
     if cap and cap < (8, 9):
         return f"fp8 tensor cores need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    name = str(ctx.dtype).replace("torch.", "")
+    if ctx.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {name} unsupported"
     if ctx.dtype != torch.bfloat16:
-        return f"row-wise fp8 scaled_mm needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
+        return f"row-wise fp8 scaled_mm needs bfloat16 (run is {name})"
     return None
 
 
