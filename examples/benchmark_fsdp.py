@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchmark_training import SHAPES  # noqa: E402
 
+from polyfuse.bench.report import write_json  # noqa: E402
 from polyfuse.distributed.launch import distributed_entry  # noqa: E402
 
 
@@ -252,15 +252,6 @@ def case_line(c: dict) -> str:
             f"{c['tokens_per_s_per_gpu']} tokens/s per GPU ({c['step_s']} s/step){mem}, FSDP2 {c['fsdp2']}")  # fmt: skip
 
 
-def write(results: dict, path) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
-
-
 @distributed_entry(tensor_parallel=False)  # rank 0 prints; every rank exits promptly on an error
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -278,7 +269,7 @@ def main(argv=None) -> int:
         results["summary"] = summary(results["cases"])
         if dist.get_rank() == 0:
             print(case_line(case), flush=True)
-            write(results, args.output)
+            write_json(results, args.output)
     s = results["summary"]
     if "tokens_per_s_ratio" in s:
         mem = f", peak memory {s['peak_allocated_ratio']:.2f}x" if "peak_allocated_ratio" in s else ""

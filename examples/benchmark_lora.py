@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmark_trai
 import torch  # noqa: E402
 from benchmark_training import SHAPES, Budget, _free, _ratio, build, run_case  # noqa: E402
 
+from polyfuse.bench.report import markdown_row, write_json  # noqa: E402
+
 
 PROG = "benchmark_lora.py"
 VARIANTS = ("transformers", "polyfuse")
@@ -158,19 +160,14 @@ def markdown(results) -> str:
     for c in results["cases"]:
         cells = [results["shape"], c["variant"], c["batch"], c["seq"], ckpt, c.get("tokens_per_s", c.get("error")),
                  c.get("peak_mem_gib"), c.get("step_s")]  # fmt: skip
-        rows.append("| " + " | ".join("-" if v is None else str(v) for v in cells) + " |")
+        rows.append(markdown_row(cells))
     return "\n".join(rows)
 
 
 def write(results, path) -> None:
     results["ratios"] = ratios(results["cases"])
     results["markdown"] = markdown(results)
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)  # a kill mid-write leaves the previous version
+    write_json(results, path)  # atomic: a kill mid-write leaves the previous version
 
 
 def main(argv=None) -> int:

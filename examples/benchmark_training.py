@@ -30,6 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from polyfuse.bench.report import markdown_row, write_json  # noqa: E402
+
 
 def _shape(hidden, layers, heads, kv_heads, intermediate, vocab, tied):
     return {
@@ -342,7 +344,7 @@ def markdown(results) -> str:
         longest = maxes.get((c["shape"], c["variant"]))
         cells = [c["shape"], c["variant"], c["batch"], c["seq"], ckpt, c.get("tokens_per_s", c.get("error")),
                  c.get("peak_mem_gib"), c.get("step_s"), longest if longest is not None else "n/a"]  # fmt: skip
-        table.append("| " + " | ".join("-" if v is None else str(v) for v in cells) + " |")
+        table.append(markdown_row(cells))
     return "\n".join(table)
 
 
@@ -352,10 +354,7 @@ def write(results, path) -> None:
         return
     results["ratios"] = ratios(results["cases"])
     results["markdown"] = markdown(results)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)
+    write_json(results, path)
 
 
 def main(argv=None) -> int:

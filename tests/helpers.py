@@ -303,6 +303,16 @@ def torchrun_cmd(*args, n: int = 2) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *map(str, args)]
 
 
+def run_workers(worker, out, timeout: float, env: dict, cwd, n: int = 2) -> list:
+    """``worker`` (a script taking the output folder) under torchrun on ``n`` processes; it must succeed, and each
+    rank's ``rank{r}.json`` in ``out`` is returned, in rank order."""
+    import json
+
+    p = run_session(torchrun_cmd(worker, out, n=n), timeout, env, cwd)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
 def free_port() -> int:
     import socket
 

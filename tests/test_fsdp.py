@@ -31,7 +31,16 @@ from pathlib import Path
 import fsdp_worker
 import pytest
 import torch
-from helpers import dist_env, free_port, one_thread, run_session, tiny_config, torchrun_cmd, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import (  # noqa: F401  (one_thread: autouse fixture)
+    dist_env,
+    free_port,
+    one_thread,
+    run_session,
+    run_workers,
+    tiny_config,
+    torchrun_cmd,
+    write_tiny_cli_model,
+)
 
 from polyfuse.training.arguments import cpu_fsdp_unsupported
 
@@ -132,10 +141,9 @@ def test_save_from_a_gathered_state_dict_equals_the_model_save(tmp_path):
 def fsdp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     t0 = time.perf_counter()
-    p = _run(_torchrun(ROOT / "tests" / "fsdp_worker.py", out), timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    ranks = run_workers(ROOT / "tests" / "fsdp_worker.py", out, 600, _env(), ROOT)
     print(f"fsdp_worker launch: {time.perf_counter() - t0:.1f} s")
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, ranks
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ Every launch runs in its own session with a timeout that kills the whole process
 from __future__ import annotations
 
 import ast
-import json
 import os
 import signal
 import subprocess
@@ -28,7 +27,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dist_env, free_port, one_thread, run_session, tiny_config, torchrun_cmd, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import (  # noqa: F401  (one_thread: autouse fixture)
+    dist_env,
+    free_port,
+    one_thread,
+    run_session,
+    run_workers,
+    tiny_config,
+    torchrun_cmd,
+    write_tiny_cli_model,
+)
 
 from polyfuse import distributed
 from polyfuse.distributed import SINGLE, TensorParallelError, TPContext, head_shard, split
@@ -160,9 +168,7 @@ def test_distributed_imports_only_core():
 def tp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2")
     t0 = time.perf_counter()
-    p = _run(_torchrun(ROOT / "tests" / "tp_worker.py", out), timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_workers(ROOT / "tests" / "tp_worker.py", out, 300, _env(), ROOT)
     for r, res in enumerate(ranks):
         rss = {
             k: round(v.get("rss_after_tp_load_mb", 0)) for k, v in res["cases"].items() if "rss_after_tp_load_mb" in v
@@ -199,9 +205,7 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
         pytest.skip("needs 2 GPUs")
     env = _env(POLYFUSE_TP_DEVICE="cuda", POLYFUSE_TP_DTYPE="bfloat16")
     env["POLYFUSE_TP_FLAGS"] = "use_flash_attention,use_cuda_graphs"
-    p = _run(_torchrun(ROOT / "tests" / "tp_worker.py", tmp_path), timeout=600, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    r0, r1 = run_workers(ROOT / "tests" / "tp_worker.py", tmp_path, 600, env, ROOT)
     assert r0["backend"] == "nccl"
     for case, c0 in r0["cases"].items():
         c1 = r1["cases"][case]
