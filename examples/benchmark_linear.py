@@ -72,15 +72,13 @@ CONFIGS = [  # block_n, block_k, num_warps, num_stages
 ]  # fmt: skip
 # --qsweep: dequantizing GEMM tiles (block_n, block_k, num_warps, num_stages; block_m from the rows), beside the default
 QCONFIGS = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (64, 128) for nw in (4, 8) for ns in (2, 4)]
-# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout.
-# Run 17's sweep stopped at 8 KB of weights per loop step; the larger tiles (up to 64 KB, 16 warps) keep more bytes in flight.
+# --gemv_sweep: the quantized one-row GEMV's tiles (block_n, block_k, num_warps, num_stages) per weight layout. The
+# K loop is software-pipelined (num_stages tiles in flight, in shared memory): tiles up to 32 KB per stage.
 GEMV_QCONFIGS = {
-    "int4": [(bn, bk, nw, ns) for bn in (64, 128, 256, 512, 1024) for bk in (64, 128) for nw in (4, 8, 16)
-             for ns in (2, 3) if 8192 <= bn * bk <= 131072 and not (nw == 4 and bn * bk > 32768)
-             and not (nw == 16 and bn * bk < 32768)],
-    "bytes": [(bn, bk, nw, 3) for bn, bk in ((4, 2048), (4, 4096), (8, 1024), (8, 2048), (8, 4096), (16, 512),
-                                               (16, 1024), (16, 2048), (32, 1024), (32, 2048))
-              for nw in (4, 8, 16) if not (nw == 16 and bn * bk < 16384)],
+    "int4": [(bn, bk, 4, ns) for bn, bk in ((128, 128), (256, 64), (256, 128), (512, 32), (512, 64), (1024, 32))
+             for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((512, 64), (1024, 32), (2048, 32)) for ns in (3, 4)],
+    "bytes": [(bn, bk, 4, ns) for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256))
+              for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((8, 2048), (16, 1024)) for ns in (3, 4)],
 }  # fmt: skip
 
 

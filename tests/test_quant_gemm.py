@@ -143,15 +143,25 @@ def test_the_check_sees_a_wrong_zero_group_or_scale(fmt, how, dtype):
 def test_split_k_counters_are_left_zero_and_results_repeat():
     """A split launch leaves its tile counters zero (the next launch, or a graph replay, starts clean) and gives the
     same bits every time (the partials are summed in split order, whichever program finishes last)."""
-    from polyfuse.backends.triton import _qgemm
+    from polyfuse.backends.triton import _qgemm, _qgemv
     from polyfuse.backends.triton.gemm_gptq import gemm_gptq
+    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+    from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
     qw = quantized("int4", 72, 384, "cpu")
     x, _, _, bias = inputs(33, 72, 384, torch.float32)
     first = gemm_gptq(x, None, qw, bias, SMALL_TILES, 3)
-    assert int(_qgemm.counters(x.device, 1).abs().sum()) == 0
+    assert int(_qgemv.counters(x.device, 1).abs().sum()) == 0
     assert torch.equal(gemm_gptq(x, None, qw, bias, SMALL_TILES, 3), first)
     assert _qgemm.launch_plan(33, 72, 384, x.device, SMALL_TILES, 3)[0] == (3, 3, 3)  # N, M tiles, splits
+    # the one-row GEMVs: the same counters, the bias added once, the partials summed by the last program
+    for kernel, q, tiles in ((gemv_gptq, qw, (32, 64, 4, 2)), (gemv_scaled, quantized("int8", 72, 384, "cpu"), None)):
+        row = x[:1].contiguous()
+        ref = row @ qf.dequantize(q).t() + bias
+        once = kernel(row, None, q, bias, tiles=tiles, split=3)
+        assert int(_qgemv.counters(x.device, 1).abs().sum()) == 0
+        assert torch.equal(kernel(row, None, q, bias, tiles=tiles, split=3), once)
+        assert (once - ref).abs().max() <= 1e-5 * ref.abs().max(), kernel.__name__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

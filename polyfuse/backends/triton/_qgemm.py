@@ -173,19 +173,6 @@ def split_for(n_tiles: int, k_tiles: int, device: torch.device) -> int:
     return max(1, min(want, k_tiles))
 
 
-_COUNTERS: dict = {}
-
-
-def counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile, kept per device; every launch leaves them zero again. Allocated
-    once at a size the split rule never exceeds (splits only when the tiles number fewer than two per SM), so a
-    CUDA graph that captured them keeps valid pointers."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-    return buf
-
-
 def launch_plan(m: int, n: int, k: int, device, tiles: tuple, split=None):
     """Grid, K per split and splits for (block_m, block_n, block_k, ...) ``tiles``: (grid, k_per_split, split);
     ``split`` when given (at most one per BLOCK_K step), else the rule above."""
@@ -196,8 +183,3 @@ def launch_plan(m: int, n: int, k: int, device, tiles: tuple, split=None):
     per = triton.cdiv(k_tiles, min(split, k_tiles)) * block_k
     split = triton.cdiv(k, per)  # no empty split
     return (grid_n, grid_m, split), per, split
-
-
-def workspace(split: int, m: int, n: int, device) -> torch.Tensor:
-    """The float32 partial tiles of a split launch (uninitialised: every partial is written before it is read)."""
-    return torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=device)

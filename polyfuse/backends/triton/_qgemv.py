@@ -37,26 +37,42 @@ def e4m3_to_f32(bits):
 
 
 @triton.jit
-def store_out(Y, B, n, n_mask, y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
-    """One split: the row's result (plus bias) rounded once into Y; several: float32 partial sums added into Y."""
+def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """One split: the row's result (plus bias) rounded once into Y. Several (grid: column blocks x splits): the
+    float32 partial into the workspace WS [SPLIT, N]; the column block's last program (an atomic counter per block,
+    left zero again) sums the partials in split order, adds the bias and rounds once into Y: no zero-fill before the
+    launch, no conversion after it, and the same sum on every run."""
     if SPLIT == 1:
         if HAS_BIAS:
             y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(Y + n, cast_rne(y, Y.dtype.element_ty), mask=n_mask)
     else:
-        tl.atomic_add(Y + n, y, mask=n_mask)
+        tl.store(WS + tl.program_id(1).to(tl.int64) * N + n, y, mask=n_mask)
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        done = tl.atomic_add(CNT + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # the column block's last program
+            total = tl.zeros_like(y)
+            part = WS + n
+            for _ in range(0, SPLIT):
+                total += tl.load(part, mask=n_mask, other=0.0, cache_modifier=".cg")
+                part += N
+            if HAS_BIAS:
+                total += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(Y + n, cast_rne(total, Y.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(CNT + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
 
 # Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
-# 8; gguf: of 32). int8 / fp8 / int4: the least time summed over the Llama-3-8B projections on one H200
-# (benchmark_linear.py --quant int4,int8,fp8 --gemv_sweep: run 17, and run 21 with tiles up to 64 KB, where int4's
-# 1024 x 128 with 8 warps beat run 17's 128 x 128 by 12%); fp8_block and GGUF: not tuned on a GPU yet.
-# POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces entries.
+# 8; gguf: of 32); num_stages is the K loop's software-pipelining depth (tiles in flight). int8 / fp8 / int4: the
+# least time summed over the Llama-3-8B projections on one H200 (benchmark_linear.py --quant int4,int8,fp8
+# --gemv_sweep, run 22, with the pipelined loop: 65.4 / 66.4 / 86.0 us per layer, against 79.7 / 92.7 / 94.3 in run
+# 21); fp8_block and GGUF: not tuned on a GPU yet. POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces
+# entries.
 TILES = {
-    "int8": (8, 1024, 4, 3),
-    "fp8": (8, 1024, 4, 3),
+    "int8": (32, 256, 4, 4),
+    "fp8": (32, 256, 4, 4),
     "fp8_block": (16, 128, 4, 3),
-    "int4": (1024, 128, 8, 3),
+    "int4": (256, 128, 4, 3),
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
@@ -82,15 +98,25 @@ def split_k(n_programs: int, k_tiles: int, device: torch.device) -> int:
     return max(1, min(want, k_tiles))
 
 
-def output(m_rows: int, n: int, dtype: torch.dtype, device, split: int) -> torch.Tensor:
-    if split == 1:
-        return torch.empty((m_rows, n), dtype=dtype, device=device)
-    return torch.zeros((m_rows, n), dtype=torch.float32, device=device)
+_COUNTERS: dict = {}
 
 
-def finish(y: torch.Tensor, bias, dtype: torch.dtype, split: int) -> torch.Tensor:
-    if split == 1:
-        return y
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(dtype)
+def counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile (GEMM) or column block (GEMV), kept per device; every launch leaves
+    them zero again. Allocated once at a size the split rules never exceed (they split only when the tiles number
+    fewer than two per SM), so a CUDA graph that captured them keeps valid pointers."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
+    return buf
+
+
+def workspace(split: int, m: int, n: int, device) -> torch.Tensor:
+    """The float32 partial tiles of a split launch (uninitialised: every partial is written before it is read)."""
+    return torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=device)
+
+
+def split_buffers(split: int, n_blocks: int, n: int, device) -> tuple:
+    """(workspace, counters) for a one-row launch of ``n_blocks`` column blocks in ``split`` splits."""
+    ws = workspace(split, 1, n, device)
+    return ws, (counters(device, n_blocks) if split > 1 else ws)

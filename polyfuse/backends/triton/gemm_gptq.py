@@ -18,16 +18,14 @@ import triton.language as tl
 from polyfuse.backends.triton._qgemm import (
     RESHAPE,
     UPCAST_ALWAYS,
-    counters,
     dot_acc,
     int4_tile,
     launch_plan,
     load_a,
     store_tile,
     tiles_for,
-    workspace,
 )
-from polyfuse.backends.triton._qgemv import dense_rows
+from polyfuse.backends.triton._qgemv import counters, dense_rows, workspace
 
 
 @triton.jit

@@ -18,15 +18,13 @@ from polyfuse.backends.triton._qgemm import (
     BYTE_KINDS,
     UPCAST_ALWAYS,
     byte_tile,
-    counters,
     dot_acc,
     launch_plan,
     load_a,
     store_tile,
     tiles_for,
-    workspace,
 )
-from polyfuse.backends.triton._qgemv import dense_rows, no_fp8_cvt
+from polyfuse.backends.triton._qgemv import counters, dense_rows, no_fp8_cvt, workspace
 
 
 @triton.jit

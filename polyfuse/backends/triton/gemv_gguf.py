@@ -6,14 +6,14 @@ Half-word h of the quants holds, for Q8_0, weights 2h and 2h + 1 (one signed byt
 holds weight j (low nibble) and j + 16 (high), so the half-word's four nibbles are weights 2h, 2h + 16, 2h + 1,
 2h + 17. Per block: Q8_0 d * sum(q x); Q4_0 d * (sum(q x) - 8 sum(x)); Q4_1 d * sum(q x) + m * sum(x).
 Each program owns BLOCK_N rows and walks K in BLOCK_B blocks; SWIGLU folds silu(gate) * up into the activation
-loads; SPLIT > 1 splits the blocks (float32 atomic partial sums).
+loads; SPLIT > 1 splits the blocks over programs whose partial sums the last one adds (_qgemv.store_out).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemv import TILES, finish, load_x, output, split_k, store_out
+from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_k, store_out
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -23,7 +23,7 @@ LAYOUT = {"gguf_q8_0": (0, 17, 1, 16), "gguf_q4_0": (1, 9, 1, 8), "gguf_q4_1": (
 
 @triton.jit
 def _gemv_gguf_kernel(
-    X, U, W, B, Y, N, NB, row_hw, nb_per_split,
+    X, U, W, B, Y, WS, CNT, N, NB, row_hw, nb_per_split,
     SWIGLU: tl.constexpr, FMT: tl.constexpr, BLOCK_HW: tl.constexpr, QS0: tl.constexpr, NQ: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
@@ -67,7 +67,7 @@ def _gemv_gguf_kernel(
             else:
                 m = tl.load(W + base + 1, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                 acc += d * dot + m * xsum[None, :]
-    store_out(Y, B, n, n_mask, tl.sum(acc, axis=1), HAS_BIAS, SPLIT)
+    store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(acc, axis=1), HAS_BIAS, SPLIT)
 
 
 def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
@@ -87,10 +87,11 @@ def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
     split = split or split_k(grid_n, b_tiles, x.device)
     per = triton.cdiv(b_tiles, split) * block_b
     split = triton.cdiv(nb, per)
-    y = output(1, n, x.dtype, x.device, split)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    ws, cnt = split_buffers(split, grid_n, n, x.device)
     _gemv_gguf_kernel[(grid_n, split)](
-        x, up if up is not None else x, w16, bias if bias is not None else y, y, n, nb, w16.stride(0), per,
+        x, up if up is not None else x, w16, bias if bias is not None else y, y, ws, cnt, n, nb, w16.stride(0), per,
         SWIGLU=up is not None, FMT=fmt_code, BLOCK_HW=block_hw, QS0=qs0, NQ=nq, HAS_BIAS=bias is not None,
         SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return finish(y, bias, x.dtype, split)
+    return y

@@ -3,10 +3,14 @@
 y[n] = sum_k x[k] * w[n, k] * s[n]  (per channel: the scale applied once per row at the end)
 y[n] = sum_b s[n, b] * sum_{k in block b} x[k] * w[n, k]  (blocks: GROUP = 128 weights of a row per scale)
 
-Each program owns BLOCK_N rows and reads their [BLOCK_N, K] slice of the weight once, converting it to float32 in
-the load (fp8 through the GPU's conversion, or by bit arithmetic where it has none: FP8_BITS), accumulating in
-float32, rounding once. SWIGLU folds silu(gate) * up into the activation load. SPLIT > 1 splits K over programs that
-add float32 partial sums atomically (the wrapper adds the bias and rounds). Inference only.
+Each program owns BLOCK_N rows and reads their [BLOCK_N, K] slice of the weight once, accumulating in float32 and
+rounding once. The K loop is software-pipelined (``tl.range(num_stages=STAGES)``: the next tiles' weights and
+activations are copied asynchronously while one is multiplied; a plain loop, whose loads feed no tl.dot, is not
+pipelined by Triton and kept one tile per warp in flight, which left the H200's memory idle).
+fp8 converts through the GPU's conversion (or bit arithmetic where it has none: FP8_BITS); int8 without the int ->
+float conversion (a quarter-rate instruction): the byte, offset to unsigned, OR-ed into the mantissa of 2^23 and
+bit-cast, minus 2^23 + 128, is the integer exactly. SWIGLU folds silu(gate) * up into the activation load. SPLIT > 1
+splits K over programs whose partial sums the last one adds (_qgemv.store_out). Inference only.
 """
 
 import torch
@@ -17,20 +21,57 @@ from polyfuse.backends.triton._qgemv import (
     TILES,
     dense_rows,
     e4m3_to_f32,
-    finish,
     load_x,
     no_fp8_cvt,
-    output,
+    split_buffers,
     split_k,
     store_out,
 )
+from polyfuse.backends.triton._rounding import INTERPRET
+
+
+@triton.jit
+def _int8_to_f32(w, ASM: tl.constexpr):
+    """int8 -> float32 exactly, without the quarter-rate int -> float conversion: the byte offset to unsigned
+    (q + 128), placed in the mantissa of 2^23 and bit-cast, minus 2^23 + 128. ASM: one xor per four weights and one
+    byte permute per weight (PTX, on the GPU); else the same in Triton arithmetic (the CPU interpreter)."""
+    if ASM:
+        bits = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 v, m;
+            xor.b32 v, $4, 0x80808080;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, v, m, 0x7650;
+            prmt.b32 $1, v, m, 0x7651;
+            prmt.b32 $2, v, m, 0x7652;
+            prmt.b32 $3, v, m, 0x7653;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[w],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        bits = (w.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _to_f32(w, FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
+    if INT8:
+        return _int8_to_f32(w, ASM)
+    elif FP8_BITS:
+        return e4m3_to_f32(w)
+    else:
+        return w.to(tl.float32)
 
 
 @triton.jit
 def _gemv_scaled_kernel(
-    X, U, W, S, B, Y, N, K, sw_n, ss_n, k_per_split,
-    SWIGLU: tl.constexpr, GROUP: tl.constexpr, FP8_BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, U, W, S, B, Y, WS, CNT, N, K, sw_n, ss_n, k_per_split,
+    SWIGLU: tl.constexpr, GROUP: tl.constexpr, FP8_BITS: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -39,23 +80,20 @@ def _gemv_scaled_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         k_mask = k < k_end
-        x = load_x(X, U, k, k_mask, SWIGLU)
         w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if FP8_BITS:
-            w = e4m3_to_f32(w)
-        else:
-            w = w.to(tl.float32)
+        x = load_x(X, U, k, k_mask, SWIGLU)
+        wf = _to_f32(w, FP8_BITS, INT8, ASM)
         if GROUP == 0:
-            acc2 += w * x[None, :]
+            acc2 += wf * x[None, :]
         else:
             s = tl.load(S + n * ss_n + k0 // GROUP, mask=n_mask, other=0.0)
-            acc += tl.sum(w * x[None, :], axis=1) * s
+            acc += tl.sum(wf * x[None, :], axis=1) * s
     if GROUP == 0:
         acc = tl.sum(acc2, axis=1) * tl.load(S + n, mask=n_mask, other=0.0)
-    store_out(Y, B, n, n_mask, acc, HAS_BIAS, SPLIT)
+    store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT)
 
 
 def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
@@ -76,11 +114,13 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     split = split or split_k(grid_n, k_tiles, w.device)
     per = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(k, per)
-    y = output(1, n, x.dtype, x.device, split)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    ws, cnt = split_buffers(split, grid_n, n, x.device)
     _gemv_scaled_kernel[(grid_n, split)](
-        x, up if up is not None else x, w, scales, bias if bias is not None else y, y, n, k, w.stride(0),
+        x, up if up is not None else x, w, scales, bias if bias is not None else y, y, ws, cnt, n, k, w.stride(0),
         scales.stride(0), per,
-        SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), INT8=qw.format == "int8",
+        HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
+        ASM=not INTERPRET, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return finish(y, bias, x.dtype, split)
+    return y
