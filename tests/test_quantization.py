@@ -146,6 +146,18 @@ def test_gemv_paths_against_the_reference(fmt):
         )
 
 
+def test_gemv_tiles_per_projection(monkeypatch):
+    """A projection with its own swept tile gets it; another shape the format's; POLYFUSE_QGEMV_TILES's format
+    entry (tuning runs) wins over both."""
+    pytest.importorskip("triton")
+    from polyfuse.backends.triton import _qgemv
+
+    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.SHAPE_TILES[("fp8", 6144, 4096)] != _qgemv.TILES["fp8"]
+    assert _qgemv.tiles_for("fp8", 4096, 4096) == _qgemv.TILES["fp8"]
+    monkeypatch.setattr(_qgemv, "_ENV_FORMATS", {"fp8"})
+    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.TILES["fp8"]
+
+
 def test_gemv_int4_group_sizes():
     """AutoGPTQ group sizes 32 and 64, and one group over all of K (group_size -1: K not a power of two)."""
     pytest.importorskip("triton")

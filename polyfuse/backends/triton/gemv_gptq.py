@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemv import TILES, dense_rows, load_x, split_buffers, split_k, store_out
+from polyfuse.backends.triton._qgemv import dense_rows, load_x, split_buffers, split_k, store_out, tiles_for
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def _gemv_gptq_kernel(
 def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k, num_warps, num_stages = tiles or TILES["int4"]
+    block_n, block_k, num_warps, num_stages = tiles or tiles_for("int4", n, k)
     block_k8 = 1 << (max(1, block_k // 8).bit_length() - 1)
     act_order = bool(qw.act_order)
     if qw.group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size

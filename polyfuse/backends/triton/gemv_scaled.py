@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._qgemv import (
-    TILES,
     dense_rows,
     e4m3_to_f32,
     load_x,
@@ -26,6 +25,7 @@ from polyfuse.backends.triton._qgemv import (
     split_buffers,
     split_k,
     store_out,
+    tiles_for,
 )
 from polyfuse.backends.triton._rounding import INTERPRET
 
@@ -99,7 +99,7 @@ def _gemv_scaled_kernel(
 def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k, num_warps, num_stages = tiles or TILES[qw.format]
+    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format, n, k)
     group = 128 if qw.format == "fp8_block" else 0
     if group:
         block_k = min(block_k, group)
