@@ -121,7 +121,7 @@ def test_cannot_pack():
     "fmt", ["int8", "fp8", "fp8_block", "int4", "int4_act", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1"]
 )
 def test_gemv_paths_against_the_reference(fmt):
-    """Every kernel with K split over programs (float32 atomics), SwiGLU folded in and a bias, in float32."""
+    """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
     from polyfuse.backends.triton.gemv_gguf import gemv_gguf
     from polyfuse.backends.triton.gemv_gptq import gemv_gptq
