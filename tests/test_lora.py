@@ -173,6 +173,91 @@ def test_builtin_model_loss_and_gradients_match_transformers_peft():
     assert len(want) == 2 * 7 * pf.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ALL], ids=["q_v", "all"])
+def test_dropout_masks_match_transformers_peft(folders, targets):
+    """LoRA dropout 0.3: polyfuse's lora_linear draws its masks with native_dropout (what F.dropout runs) in PEFT's
+    module order (q, k, v, o, gate, up, down), so from the same seed both models drop the same elements: the same
+    loss and adapter gradients. Against a run without dropout the loss differs (the masks matter)."""
+    folder = folders("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float()
+    hf.set_attn_implementation("eager")
+    torch.manual_seed(1)
+    hf = get_peft_model(hf, lora_config(targets, dropout=0.3))
+    torch.manual_seed(1)
+    pf = get_peft_model(PfAuto.from_pretrained(folder, training=True), lora_config(targets, dropout=0.3))
+    copy_adapter(hf, pf)
+    hf.train(), pf.train()
+    ids = batch(hf.config.vocab_size)
+    torch.manual_seed(7)
+    loss_hf = hf(input_ids=ids, labels=ids).loss
+    torch.manual_seed(7)
+    loss_pf = pf(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss_pf, loss_hf, rtol=1e-5, atol=0)
+    with torch.no_grad():
+        pf.eval()
+        assert abs(pf(input_ids=ids, labels=ids).loss.item() - loss_pf.item()) > 1e-4
+    loss_hf.backward()
+    loss_pf.backward()
+    want = adapter_params(hf)
+    for n, p in adapter_params(pf).items():
+        assert_grad_close(p.grad, want[n].grad, n)
+
+
+class _Proj(torch.nn.Module):
+    def __init__(self, k, n, dtype):
+        super().__init__()
+        self.proj = torch.nn.Linear(k, n, bias=True, dtype=dtype)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_linear_op_against_peft_module(dtype):
+    """The op on one PEFT layer (a bf16 base keeps PEFT's default fp32 adapter: x is cast up, the sum cast back):
+    the same output and gradients for x and both adapter weights as the module's own forward, with dropout 0.25 from
+    the same seed; and less saved for the backward (x once, a bool mask), measured with saved_tensors_hooks."""
+    from polyfuse.models.peft_lora import plain_lora
+    from polyfuse.ops.lora_linear import lora_linear_native
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        _Proj(64, 48, dtype),
+        LoraConfig(r=8, lora_alpha=16, lora_dropout=0.25, target_modules=["proj"], init_lora_weights=False),
+    )
+    layer = model.base_model.model.proj
+    layer.train()
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    x0 = torch.randn(3, 5, 64).to(dtype)
+    lora = plain_lora(layer, x0)
+    assert lora is not None and lora[1].dropout == 0.25 and lora[1].scaling == 2.0
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
+            torch.manual_seed(5)
+            out = fn(x)
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+        grads = [x.grad] + [p.grad.clone() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
+        layer.zero_grad()
+        return out, grads, sum(saved)
+
+    out_ref, grads_ref, saved_ref = run(layer)
+    out, grads, saved = run(lambda x: lora_linear_native(x, lora[0].weight, lora[0].bias, (lora[1],)))
+    assert out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, out_ref, rtol=tol, atol=tol)
+    for g, ref, name in zip(grads, grads_ref, ("x", "lora_A", "lora_B")):
+        assert_grad_close(g, ref, name, tol=1e-5 if dtype == torch.float32 else 1e-2)
+    if dtype == torch.bfloat16:  # PEFT keeps the fp32 copy of x that dropout returns: 4 bytes per element
+        assert saved < saved_ref - 3 * x0.numel()
+    else:
+        assert saved < saved_ref
+
+
 def _triton_training_impls() -> list:
     from polyfuse.core.registry import implementations, ops
 
@@ -223,18 +308,20 @@ class CountingKernels:
 
 
 @pytest.mark.parametrize(
-    "targets, fused_qkv, fused_gate_up, down_wrapped",
+    "targets, qkv_op, gate_up_op, down_op",
     [
-        ([], True, True, False),
-        (["o_proj", "down_proj"], True, True, True),
-        (["q_proj", "v_proj"], False, True, False),  # run_clm's default: k_proj projected on its own slice
-        (["gate_proj"], True, False, False),
-        (ALL, False, False, True),
+        ([], "linear", "linear", "swiglu_linear"),
+        (["o_proj", "down_proj"], "linear", "linear", "lora_linear"),
+        (["q_proj", "v_proj"], "lora_linear", "linear", "swiglu_linear"),  # run_clm's default
+        (["gate_proj"], "linear", "lora_linear", "swiglu_linear"),
+        (ALL, "lora_linear", "lora_linear", "lora_linear"),
     ],
 )
-def test_dispatch_fused_gemm_until_a_slice_is_wrapped(folders, targets, fused_qkv, fused_gate_up, down_wrapped):
-    """qkv_proj / gate_up_proj run as one GEMM while none of their slices is wrapped; a wrapped projection is called
-    as a module (its adapter applies); RMSNorm, rotary, attention, SwiGLU and the fused cross-entropy stay ops."""
+def test_dispatch_fused_gemm_with_or_without_adapters(folders, targets, qkv_op, gate_up_op, down_op):
+    """qkv_proj / gate_up_proj run as one GEMM whether or not PEFT wrapped some of their slices: bare, through the
+    linear op; with plain LoRA on any part, through lora_linear with the fused weight and one adapter per wrapped part.
+    A wrapped o_proj / down_proj goes to lora_linear with its own weight; RMSNorm, rotary, attention, SwiGLU and the
+    fused cross-entropy stay ops."""
     pf = PfAuto.from_pretrained(folders("llama"), training=True)
     model = get_peft_model(pf, lora_config(targets)) if targets else pf
     counting = pf.kernels = CountingKernels(pf.kernels)
@@ -243,15 +330,32 @@ def test_dispatch_fused_gemm_until_a_slice_is_wrapped(folders, targets, fused_qk
     a, h, inter = pf.model.layers[0].self_attn, COMMON["hidden_size"], COMMON["intermediate_size"]
     qkv = (a.q_size + 2 * a.kv_size, h)
     assert {"rms_norm", "add_rms_norm", "rotary", "attention", "linear_cross_entropy"} <= counting.ops()
-    linear = counting.weights("linear")
-    assert (qkv in linear) == fused_qkv
-    assert ((2 * inter, h) in linear) == fused_gate_up
-    if targets == ["q_proj", "v_proj"]:
-        assert (a.kv_size, h) in linear  # the bare k slice, through the linear op
-    if down_wrapped:
+    assert qkv in counting.weights(qkv_op) and (2 * inter, h) in counting.weights(gate_up_op)
+    parts = {(a.kv_size, h), (inter, h)}  # no part projected on its own ((q_size, h) is o_proj's shape here)
+    assert not parts & (counting.weights("linear") | counting.weights("lora_linear"))
+    if down_op == "lora_linear":
+        assert (h, inter) in counting.weights("lora_linear")
         assert "swiglu" in counting.ops() and "swiglu_linear" not in counting.ops()
     else:
         assert "swiglu_linear" in counting.ops()
+    per_layer = [qkv_op == "lora_linear", gate_up_op == "lora_linear", "o_proj" in targets, down_op == "lora_linear"]
+    calls = [c for c in counting.calls if c[0] == "lora_linear"]
+    assert len(calls) == sum(per_layer) * pf.config.num_hidden_layers
+
+
+def test_lora_layer_in_another_state_runs_as_a_module(folders):
+    """A PEFT layer the op does not cover (here: a forward hook on q_proj's LoRA layer) is called as a module, so
+    its hook runs and q/k/v are projected one by one (k through the linear op on its bare slice)."""
+    pf = PfAuto.from_pretrained(folders("llama"), training=True)
+    model = get_peft_model(pf, lora_config(["q_proj", "v_proj"]))
+    seen = []
+    pf.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    counting = pf.kernels = CountingKernels(pf.kernels)
+    ids = batch(pf.config.vocab_size)
+    model(input_ids=ids, labels=ids).loss.backward()
+    a, h = pf.model.layers[0].self_attn, COMMON["hidden_size"]
+    assert len(seen) == 1 and (a.kv_size, h) in counting.weights("linear")
+    assert (a.q_size + 2 * a.kv_size, h) in counting.weights("lora_linear")  # the other layers
 
 
 def test_fused_projection_and_its_slices_both_adapted_is_refused(folders):

@@ -51,3 +51,17 @@ def test_linear_cross_entropy_with_ignored_labels():
     labels = torch.tensor([3, -100, 0, 9, 9, -100])
     assert gradcheck(lambda h, w: linear_cross_entropy_native(h, w, labels), (_r(6, 5), _r(11, 5)))
     assert gradcheck(lambda h, w: linear_cross_entropy_native(h, w, labels, reduction="sum"), (_r(6, 5), _r(11, 5)))
+
+
+def test_lora_linear_with_dropout_and_trainable_base():
+    """Two adapters on row ranges of one weight, dropout 0.4 (the same seed on every evaluation, so the same mask),
+    every input trainable, base weight and bias included."""
+    from polyfuse.ops.lora_linear import LoraAdapter, lora_linear_native
+
+    def fn(x, w, b, a1, b1, a2, b2):
+        torch.manual_seed(3)
+        adapters = (LoraAdapter(0, 4, a1, b1, 1.5, 0.4), LoraAdapter(6, 9, a2, b2, 0.5, 0.0))
+        return lora_linear_native(x, w, b, adapters)
+
+    args = (_r(2, 3, 5), _r(9, 5), _r(9), _r(2, 5), _r(4, 2), _r(3, 5), _r(3, 3))
+    assert gradcheck(fn, args)

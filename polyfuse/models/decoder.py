@@ -24,6 +24,7 @@ from polyfuse.engine import loading, saving
 from polyfuse.engine.config import config_from_dict, head_dim
 from polyfuse.engine.quantize import QLinear
 from polyfuse.engine.rope import RotaryEmbedding
+from polyfuse.models.peft_lora import fused_adapters, plain_lora
 from polyfuse.models.projection_slice import ProjectionSlice, fused_slices_intact
 from polyfuse.ops.attention import AttentionMeta, cache_mask
 
@@ -80,13 +81,18 @@ def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
     projection is dispatched. A quantized layer (engine/quantize.py ``QLinear``) goes to the ``linear_q`` ops with
     its packed weight, a plain ``nn.Linear`` (or a ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its
-    weight. Any other module (a PEFT ``lora.Linear`` wrapping the projection, a Linear subclass with a forward of
-    its own) is called, so what it adds to the projection is kept; the down projection's SwiGLU is computed first."""
+    weight, PEFT's plain LoRA over a plain linear (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a
+    PEFT layer in another state, a Linear subclass with a forward of its own) is called, so what it adds to the
+    projection is kept; the down projection's SwiGLU is computed first."""
     if isinstance(layer, QLinear):
         qw = layer.quantized_weight()
         return f.ops.linear_q(x, qw, layer.bias) if up is None else f.ops.swiglu_linear_q(x, up, qw, layer.bias)
     if not (isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward):
-        return layer(x if up is None else f.ops.swiglu(x, up))
+        lora = plain_lora(layer, x)
+        x = x if up is None else f.ops.swiglu(x, up)
+        if lora is None:
+            return layer(x)
+        return f.ops.lora_linear(x, lora[0].weight, lora[0].bias, (lora[1],))
     if up is None:
         return f.ops.linear(x, layer.weight, layer.bias)
     return f.ops.swiglu_linear(x, up, layer.weight, layer.bias)
@@ -134,8 +140,12 @@ class Attention(nn.Module):
         """q, k, v as [B, L, heads, D] (a family that normalizes heads extends this): one fused qkv_proj GEMM while
         q/k/v_proj are its bare slices, else each through its own module (a PEFT adapter on some of them)."""
         b, n, _ = x.shape
-        if fused_slices_intact(self.qkv_proj, self.q_proj, self.k_proj, self.v_proj):
-            q, k, v = project(f, self.qkv_proj, x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        if fused_slices_intact(self.qkv_proj, *parts):
+            q, k, v = project(f, self.qkv_proj, x).split(sizes, dim=-1)
+        elif (adapters := fused_adapters(self.qkv_proj, parts, x)) is not None:  # PEFT LoRA on some of q/k/v
+            q, k, v = f.ops.lora_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, adapters).split(sizes, dim=-1)
         else:
             q, k, v = (project(f, m, x) for m in (self.q_proj, self.k_proj, self.v_proj))
         return (
@@ -174,8 +184,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x, f: Forward):
-        if fused_slices_intact(self.gate_up_proj, self.gate_proj, self.up_proj):
+        parts = (self.gate_proj, self.up_proj)
+        gate_up = None
+        if fused_slices_intact(self.gate_up_proj, *parts):
             gate_up = project(f, self.gate_up_proj, x)
+        elif (adapters := fused_adapters(self.gate_up_proj, parts, x)) is not None:  # PEFT LoRA on gate/up
+            gate_up = f.ops.lora_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, adapters)
+        if gate_up is not None:
             gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
         else:
             gate, up = project(f, self.gate_proj, x), project(f, self.up_proj, x)
