@@ -212,8 +212,9 @@ class _Proj(torch.nn.Module):
         return self.proj(x)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_linear_op_against_peft_module(dtype):
+def test_lora_linear_op_against_peft_module(dtype, device):
     """The op on one PEFT layer (a bf16 base keeps PEFT's default fp32 adapter: x is cast up, the sum cast back):
     the same output and gradients for x and both adapter weights as the module's own forward, with dropout 0.25 from
     the same seed; and less saved for the backward (x once, a bool mask), measured with saved_tensors_hooks."""
@@ -228,7 +229,7 @@ def test_lora_linear_op_against_peft_module(dtype):
     layer = model.base_model.model.proj
     layer.train()
     assert layer.lora_A["default"].weight.dtype == torch.float32
-    x0 = torch.randn(3, 5, 64).to(dtype)
+    x0 = torch.randn(3, 5, 64).to(dtype).to(device)
     lora = plain_lora(layer, x0)
     assert lora is not None and lora[1].dropout == 0.25 and lora[1].scaling == 2.0
 
@@ -240,7 +241,7 @@ def test_lora_linear_op_against_peft_module(dtype):
         ):
             torch.manual_seed(5)
             out = fn(x)
-        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+        out.backward(torch.linspace(-1, 1, out.numel(), device=device).reshape(out.shape).to(dtype))
         grads = [x.grad] + [p.grad.clone() for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight)]
         layer.zero_grad()
         return out, grads, sum(saved)

@@ -41,14 +41,20 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _cast(cache: dict, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype not in cache:
+        cache[dtype] = x.to(dtype)
+    return cache[dtype]
+
+
 class _LoraLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan, *ab):
         out = F.linear(x, weight, bias)
-        saved = []
+        saved, cast = [], {}
         for i, (start, stop, scaling, p) in enumerate(plan):
             a, b = ab[2 * i], ab[2 * i + 1]
-            xa = x.to(a.dtype)
+            xa = _cast(cast, x, a.dtype)  # one cast for all the adapters of a fused projection
             dropped, mask = torch.native_dropout(xa, p, True) if p > 0 else (xa, None)
             h = F.linear(dropped, a)
             # PEFT: result + lora_B(lora_A(dropout(x))) * scaling, promoted to the adapter dtype, then cast back
@@ -65,18 +71,17 @@ class _LoraLinear(torch.autograd.Function):
         ab, saved = rest[: 2 * n], rest[2 * n :]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad.matmul(weight.to(grad.dtype)) if need_x else None
-        grads_ab = []
+        grads_ab, cast = [], {}
         for i, (start, stop, scaling, p) in enumerate(ctx.plan):
             a, b = ab[2 * i], ab[2 * i + 1]
             mask, h = saved[2 * i], saved[2 * i + 1]
             g = grad[..., start:stop].to(b.dtype) * scaling
             grad_b = _flat(g).t().mm(_flat(h)) if ctx.needs_input_grad[4 + 2 * i + 1] else None
             gh = g.matmul(b)
-            dropped = x.to(a.dtype)
+            dropped = _cast(cast, x, a.dtype)
             if mask is not None:
                 dropped = dropped * mask * (1.0 / (1.0 - p))
             grad_a = _flat(gh).t().mm(_flat(dropped)) if ctx.needs_input_grad[4 + 2 * i] else None
-            del dropped
             if need_x:
                 gd = gh.matmul(a)
                 if mask is not None:
