@@ -85,6 +85,8 @@ def implementations() -> list[Implementation]:
             accepts=True,
         ),
         _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy"),
+        # PEFT's LoRA on polyfuse's projections: the low-rank adds (output, input gradient) in one pass each.
+        _impl("lora_linear", "triton", "lora_linear", "lora_linear"),
         # Training's down projection: keeps no silu(gate) * up product (recomputed in the backward).
         _impl(
             "swiglu_linear", "triton_recompute", "swiglu_linear", "swiglu_linear", probe_training_fold, PRIORITY - 1
