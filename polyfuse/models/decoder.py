@@ -98,6 +98,16 @@ def project(f: Forward, layer: nn.Module, x, up=None):
     return f.ops.swiglu_linear(x, up, layer.weight, layer.bias)
 
 
+def project_fused(f: Forward, fused: nn.Module, parts, x):
+    """``fused``'s projection of ``x`` as one GEMM, or None when its ``parts`` (the ``ProjectionSlice`` children, in
+    row order) must be projected one by one: through the ``linear`` ops while every part is a bare slice, through
+    ``lora_linear`` while every wrapped part is PEFT's plain LoRA (models/peft_lora.py)."""
+    if fused_slices_intact(fused, *parts):
+        return project(f, fused, x)
+    adapters = fused_adapters(fused, parts, x)
+    return None if adapters is None else f.ops.lora_linear(x, fused.weight, fused.bias, adapters)
+
+
 def layer_window(config, layer_idx: int) -> Optional[int]:
     """The sliding window of one layer: transformers' ``layer_types`` where the config has them (Qwen2/Qwen3: only
     "sliding_attention" layers), else ``sliding_window`` for every layer (Mistral); None: full attention."""
@@ -138,16 +148,15 @@ class Attention(nn.Module):
 
     def heads(self, x, f: Forward):
         """q, k, v as [B, L, heads, D] (a family that normalizes heads extends this): one fused qkv_proj GEMM while
-        q/k/v_proj are its bare slices, else each through its own module (a PEFT adapter on some of them)."""
+        q/k/v_proj are its bare slices or PEFT's plain LoRA over them (``project_fused``), else each through its own
+        module."""
         b, n, _ = x.shape
         parts = (self.q_proj, self.k_proj, self.v_proj)
-        sizes = [self.q_size, self.kv_size, self.kv_size]
-        if fused_slices_intact(self.qkv_proj, *parts):
-            q, k, v = project(f, self.qkv_proj, x).split(sizes, dim=-1)
-        elif (adapters := fused_adapters(self.qkv_proj, parts, x)) is not None:  # PEFT LoRA on some of q/k/v
-            q, k, v = f.ops.lora_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, adapters).split(sizes, dim=-1)
+        qkv = project_fused(f, self.qkv_proj, parts, x)
+        if qkv is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
-            q, k, v = (project(f, m, x) for m in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (project(f, m, x) for m in parts)
         return (
             q.view(b, n, self.n_heads, self.head_dim),
             k.view(b, n, self.n_kv, self.head_dim),
@@ -184,12 +193,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
     def forward(self, x, f: Forward):
-        parts = (self.gate_proj, self.up_proj)
-        gate_up = None
-        if fused_slices_intact(self.gate_up_proj, *parts):
-            gate_up = project(f, self.gate_up_proj, x)
-        elif (adapters := fused_adapters(self.gate_up_proj, parts, x)) is not None:  # PEFT LoRA on gate/up
-            gate_up = f.ops.lora_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, adapters)
+        gate_up = project_fused(f, self.gate_up_proj, (self.gate_proj, self.up_proj), x)
         if gate_up is not None:
             gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
         else:

@@ -10,6 +10,7 @@ attributes: peft is not imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -91,6 +92,5 @@ def fused_adapters(fused: nn.Module, parts, x: torch.Tensor) -> Optional[tuple[L
         base, adapter = lora
         if type(base) is not ProjectionSlice or base.fused() is not fused:
             return None
-        adapters.append(LoraAdapter(base.start, base.stop, adapter.lora_a, adapter.lora_b, adapter.scaling,
-                                    adapter.dropout))  # fmt: skip
+        adapters.append(dataclasses.replace(adapter, start=base.start, stop=base.stop))
     return tuple(adapters)

@@ -71,8 +71,9 @@ def _block_diagonal(plan, bs, ranks, n: int) -> torch.Tensor:
 
 class _LoraLinear(torch.autograd.Function):
     """Per adapter, forward: the dropout mask and hs = (dropped @ A.T) * scaling ([T, r]: scaling folded in); then
-    every adapter's hs @ B.T is added to the output in one low-rank add (their B's block-diagonal in one [sum r, N]
-    matrix, so a fused projection's parts are one contiguous pass, not a strided one each). Backward: the output
+    every adapter's hs @ B.T is added to the output by ``add_lowrank``: once per part on its columns where it takes
+    column views, else once for all with their B's block-diagonal in one [sum r, N] matrix (one contiguous pass,
+    not a strided one per part). Backward: the output
     gradient cast once to the adapters' dtype, each adapter's GEMMs on its columns (views, no copies), the dropped
     input rebuilt by one masked scale of x, each adapter's input gradient added to x's by the low-rank add."""
 
@@ -111,7 +112,7 @@ class _LoraLinear(torch.autograd.Function):
         for i, (start, stop, scaling, p) in enumerate(ctx.plan):
             a, b = ab[2 * i], ab[2 * i + 1]
             mask, hs = saved[2 * i], saved[2 * i + 1]
-            mask = None if mask is None else _flat(mask)
+            mask, keep = (None, 1.0) if mask is None else (_flat(mask), 1.0 / (1.0 - p))
             g = _flat(_cast(cast_g, grad, b.dtype))[:, start:stop]  # the cast once per dtype, then a column view
             grad_b = g.t().mm(hs) if ctx.needs_input_grad[5 + 2 * i + 1] else None
             gh = g.mm(b) * scaling  # d loss / d h, [T, r]
@@ -119,11 +120,11 @@ class _LoraLinear(torch.autograd.Function):
             if ctx.needs_input_grad[5 + 2 * i]:
                 dropped = _flat(_cast(cast_x, x, a.dtype))
                 if mask is not None:
-                    dropped = torch.ops.aten.native_dropout_backward(dropped, mask, 1.0 / (1.0 - p))
+                    dropped = torch.ops.aten.native_dropout_backward(dropped, mask, keep)
                 grad_a = gh.t().mm(dropped)
                 del dropped
             if need_x:  # rounded into x's gradient once per adapter, as autograd sums PEFT's per-adapter gradients
-                ctx.add_lowrank(_flat(grad_x), gh, a, mask, 1.0 / (1.0 - p))
+                ctx.add_lowrank(_flat(grad_x), gh, a, mask, keep)
             grads_ab += [grad_a, grad_b]
         grad_w = _flat(grad).t().mm(_flat(x).to(grad.dtype)).to(weight.dtype) if need_w else None
         grad_bias = _flat(grad).sum(0).to(weight.dtype) if need_b else None
