@@ -158,13 +158,14 @@ def write_tiny_cli_model(path: str, tokenizer, max_position_embeddings: int = 32
 
 
 def cpu_scaled_mm_missing():
-    """Why torch._scaled_mm cannot run on the CPU in this torch (it has no CPU kernel before torch 2.8), or None."""
+    """Why torch._scaled_mm with row-wise scales (polyfuse's) cannot run on the CPU in this torch, or None: no CPU
+    kernel before torch 2.8, per-tensor scales only in some later ones (2.11)."""
     import torch
 
     try:
         a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
-        one = torch.ones((), dtype=torch.float32)
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        rows, cols = torch.ones((16, 1), dtype=torch.float32), torch.ones((1, 16), dtype=torch.float32)
+        torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
     except (NotImplementedError, RuntimeError, AttributeError, TypeError) as e:
         return f"torch {torch.__version__} has no CPU torch._scaled_mm ({type(e).__name__})"
     return None

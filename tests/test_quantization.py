@@ -184,8 +184,8 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
     assert accepts_linear_q(x, qw) is None
     assert accepts_linear_q(x.float(), qw) and accepts_linear_q(x, quantized("int8", 48, 96, "cpu"))
     x2 = x.float().reshape(-1, 96)
-    scale = x2.abs().amax(-1, keepdim=True) / 448.0
-    xq = (x2 / scale).to(torch.float8_e4m3fn).float() * scale
+    amax = x2.abs().amax(-1, keepdim=True)
+    xq = (x2 * torch.full_like(amax, 448.0).div(amax)).to(torch.float8_e4m3fn).float() * (amax / 448.0)
     ref = (xq @ qf.dequantize(qw).t()).view(2, 3, 48)
     got = linear_q(x, qw)
     assert got.dtype == torch.bfloat16 and rel(got.float(), ref) < 4e-3
@@ -194,7 +194,7 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
 
 def test_triton_fp8_row_quantization_is_torchs():
     """triton:fp8_scaled_mm's one-kernel per-token quantization writes the bytes and scales of the plain-torch one
-    (cuda:scaled_mm's: amax / 448, divide, clamp, cast), on bf16 rows with an all-zero row, an outlier and values
+    (cuda:scaled_mm's: amax, x * (448 / amax), clamp, cast), on bf16 rows with an all-zero row, an outlier and values
     that land among the e4m3 subnormals; its e4m3 encoding equals torch's cast on every e4m3 value, every midpoint
     between neighbours (ties to even) and values just off them; and the GEMM on top equals cuda:scaled_mm's."""
     from helpers import cpu_scaled_mm_missing
@@ -228,6 +228,17 @@ def test_triton_fp8_row_quantization_is_torchs():
     x = (torch.randn(2, 40, 96, generator=gen) * 3).bfloat16().to(dev)
     assert fused.accepts_linear_q(x, qw) is None and fused.accepts_linear_q(x[:, :30], qw)  # 60 rows: the GEMM's
     assert torch.equal(fused.linear_q(x, qw), plain.linear_q(x, qw))
+    # swiglu_linear_q: SwiGLU in the quantizing kernel = the SwiGLU kernel's bf16 output, quantized, multiplied
+    from polyfuse.backends.triton.swiglu import swiglu_forward
+
+    gate, up = ((torch.randn(2, 40, 96, generator=gen) * 3).bfloat16().to(dev) for _ in range(2))
+    assert fused.accepts_swiglu_linear_q(gate, up, qw) is None and fused.accepts_swiglu_linear_q(gate[:1], up[:1], qw)
+    (q1, s1), (q2, s2) = (
+        fused.swiglu_quantize_rows(gate.view(80, 96), up.view(80, 96)),
+        plain.quantize_rows(swiglu_forward(gate, up).view(80, 96)),
+    )
+    assert torch.equal(s1, s2) and torch.equal(q1.view(torch.uint8), q2.view(torch.uint8))
+    assert torch.equal(fused.swiglu_linear_q(gate, up, qw), plain.linear_q(swiglu_forward(gate, up), qw))
 
 
 # ---- the tiny model: load, save, checkpoints ---------------------------------------------------------------------

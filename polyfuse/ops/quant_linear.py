@@ -9,6 +9,7 @@ dequantizing in its loads) or quantize the activations too (fp8 ``torch._scaled_
 does not take. Inference-only ops: a training run keeps the references (gradients flow to ``x``, not the weight).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -62,12 +63,21 @@ def scaled_mm_refusal(x: torch.Tensor, qweight: QuantizedWeight) -> Optional[str
     return None
 
 
+# Hopper's fp8 tensor cores accumulate K in a narrower register unless the GEMM promotes partial sums to float32
+# every few steps; "fast accumulation" skips the promotion (torchao's float8 inference default, as here).
+# POLYFUSE_FP8_FAST_ACCUM=0 keeps the promotion (docs/quantization.md has both measured).
+FAST_ACCUM = os.environ.get("POLYFUSE_FP8_FAST_ACCUM", "1") != "0"
+
+
 def scaled_mm_rows(xq: torch.Tensor, scale_a: torch.Tensor, qweight: QuantizedWeight, x: torch.Tensor, bias=None):
     """y = (xq * scale_a) @ (qweight * its channel scales).T in x's dtype and shape: e4m3 rows xq [M, K] with
     float32 scales [M, 1] (how they were quantized is the caller's), on the fp8 tensor cores."""
     n = qweight.shape[0]
     w = qweight.qweight  # [N, K] row-major: its transpose is the column-major mat2 scaled_mm wants
-    y = torch._scaled_mm(xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype)
+    y = torch._scaled_mm(
+        xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype,
+        use_fast_accum=FAST_ACCUM and xq.is_cuda,
+    )  # fmt: skip
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)

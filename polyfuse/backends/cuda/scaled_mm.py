@@ -1,5 +1,5 @@
 """fp8 weights on NVIDIA's fp8 tensor cores: ``torch._scaled_mm`` with the activations quantized to e4m3 per token
-(one scale per row: amax / 448) by plain torch ops, and the weight's per-channel scales (row-wise scaling, bfloat16
+(one scale per row: amax / 448; x * (448 / amax) rounded to e4m3) by plain torch ops, and the weight's per-channel scales (row-wise scaling, bfloat16
 output). The Triton backend's triton:fp8_scaled_mm (backends/triton/scaled_mm.py) is the same GEMM with the per-token
 quantization in one kernel, ranked above this one; this is what runs without Triton.
 
@@ -26,8 +26,11 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x ~= q * scale, one scale per row (token)."""
-    scale = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    return (x2.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    amax = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    # IEEE divisions, as the Triton kernel's: torch computes ``FP8_MAX / amax`` as a reciprocal times 448 and, on the
+    # GPU, ``amax / FP8_MAX`` as a product with 1 / 448; a division by a tensor is a true division.
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    return (x2.float() * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8), amax / fp8_max
 
 
 def linear_q(x, qweight, bias=None):

@@ -112,6 +112,10 @@ DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dt
 SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: x quantized to e4m3 per token by one Triton kernel + torch._scaled_mm"
 )
+SWIGLU_SCALED_MM_NOTE = (
+    "per-channel fp8, bf16, > 64 rows: silu(gate) * up quantized to e4m3 per token in one Triton kernel + "
+    "torch._scaled_mm"
+)
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
 # gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> fp8_scaled_mm (fp8,
 # more rows) -> cuda:scaled_mm -> native.
@@ -141,7 +145,8 @@ def quant_implementations() -> list[Implementation]:
     """The linear ops on quantized weights (polyfuse/ops/quant_linear.py): a one-row GEMV dequantizing in its loads
     (every format), a GEMM dequantizing in its loads for a few rows (int4, int8, fp8: batch decode), and for linear_q a
     dequantize kernel + F.linear for any rows (int4, int8: prefill) and fp8 activations quantized per token by one
-    kernel + torch._scaled_mm (fp8, bf16: prefill). Each declines (quietly: declining is the plan)
+    kernel + torch._scaled_mm (fp8, bf16: prefill; for swiglu_linear_q the same with SwiGLU in the quantizing kernel).
+    Each declines (quietly: declining is the plan)
     what it does not take; the rest goes to the next choice, in the end the native dequantize + matmul (or, for
     swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the same chain)."""
     out = []
@@ -149,9 +154,8 @@ def quant_implementations() -> list[Implementation]:
         out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))
         out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE))
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
-    out.append(
-        _quant("linear_q", "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY, SCALED_MM_NOTE, probe=probe_scaled_mm)
-    )
+    for op, note in (("linear_q", SCALED_MM_NOTE), ("swiglu_linear_q", SWIGLU_SCALED_MM_NOTE)):
+        out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY, note, probe=probe_scaled_mm))
     return out
 
 

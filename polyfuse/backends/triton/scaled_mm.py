@@ -1,15 +1,22 @@
 """fp8 weights on the fp8 tensor cores for many rows (prefill): the activations quantized to e4m3 per token by one
 Triton kernel, then ``torch._scaled_mm`` with row-wise scales (ops/quant_linear.py ``scaled_mm_rows``).
 
-The plain-torch quantization (backends/cuda/scaled_mm.py: abs, amax, a float32 copy, a division, a clamp, a cast)
+The plain-torch quantization (backends/cuda/scaled_mm.py: abs, amax, a float32 copy, a multiply, a clamp, a cast)
 reads and writes the activations six times per projection; on a 2048-token prefill of the Llama-3-8B shape that made
 the fp8 prefill no faster than bf16 (50.2 against 49.5 ms, docs/benchmarks.md run 16). Here each program reads one
-row once, takes its amax, and writes the e4m3 row and its float32 scale: the same arithmetic (scale = max(amax,
-1e-12) / 448, x / scale clamped to +-448, rounded to nearest even), so both quantize a row to the same bytes.
+row once, takes its amax, and writes the e4m3 row and its float32 scale: the same arithmetic (amax = max(|x|, 1e-12),
+x * (448 / amax) clamped to +-448, rounded to nearest even; scale amax / 448), so both quantize a row to the same
+bytes. On the GPU the e4m3 rounding is the hardware conversion (``cvt.rn.satfinite``, sm_89+); under the CPU
+interpreter, whose own float -> fp8 cast rounds differently, the same rounding by integer arithmetic.
+
+The down projection's input is SwiGLU's output: ``swiglu_linear_q`` computes ``silu(gate) * up``, rounds it to the
+activations' dtype (as the separate SwiGLU kernel stores it) and quantizes it in the same pass, so the [tokens, I]
+product is never written in bfloat16 and read back (on the 8B shape at 2048 tokens: 58 MB each way per layer).
 
 Takes what ``scaled_mm_refusal`` allows with more than MAX_GEMM_ROWS rows (fewer go to the dequantizing GEMM,
 quant_gemm.py, which reads the fp8 weight directly and keeps the activations in bf16), rows of at most MAX_K
-elements (one program holds a row); declines the rest to cuda:scaled_mm and then the native reference.
+elements (one program holds a row); declines the rest to cuda:scaled_mm (swiglu_linear_q: the composite) and then
+the native reference.
 """
 
 from typing import Optional
@@ -18,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import rows
 from polyfuse.ops.quant_formats import FP8_MAX
 from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
@@ -42,28 +50,72 @@ def e4m3_bits(q):
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, S, K, sx, sq, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+def _store_quantized_rows(x, Q, S, r, M, sq, k, mask, FP8_MAX: tl.constexpr, HW_CVT: tl.constexpr):
+    """Rows ``r`` [R] of float32 values ``x`` [R, BLOCK_K] -> e4m3 codes at Q[r] and each row's scale at S[r]."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+    inv = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)  # IEEE divisions, as torch's (per row)
+    q = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX), FP8_MAX)
+    if HW_CVT:
+        code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        code = e4m3_bits(q)
+    tl.store(Q + r[:, None] * sq + k[None, :], code, mask=mask)
+    tl.store(S + r, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), mask=r < M)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X, Q, S, M, K, sx, sq, FP8_MAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr
+):
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     k = tl.arange(0, BLOCK_K)
-    mask = k < K
-    x = tl.load(X + r * sx + k, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)  # IEEE division, as torch's
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-    tl.store(Q + r * sq + k, e4m3_bits(q), mask=mask)
-    tl.store(S + r, scale)
+    mask = (r[:, None] < M) & (k[None, :] < K)
+    x = tl.load(X + r[:, None] * sx + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    _store_quantized_rows(x, Q, S, r, M, sq, k, mask, FP8_MAX, HW_CVT)
+
+
+@triton.jit
+def _swiglu_quantize_rows_kernel(
+    G, U, Q, S, M, K, sg, su, sq, FP8_MAX: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    k = tl.arange(0, BLOCK_K)
+    mask = (r[:, None] < M) & (k[None, :] < K)
+    g = tl.load(G + r[:, None] * sg + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r[:, None] * su + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = cast_rne(g * tl.sigmoid(g) * u, G.dtype.element_ty).to(tl.float32)  # what the SwiGLU kernel stores
+    _store_quantized_rows(y, Q, S, r, M, sq, k, mask, FP8_MAX, HW_CVT)
+
+
+# (rows per program, warps) by the row's power-of-two length, from run 24's sweep on the H200 (2048 rows).
+TILES = {4096: (4, 16), 8192: (2, 16), 16384: (1, 32)}
+
+
+def _launch(kernel, tensors, strides, m, k, device):
+    q = torch.empty((m, k), dtype=torch.uint8, device=device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=device)
+    block = triton.next_power_of_2(k)
+    rows_per, warps = TILES.get(block, (max(1, 4096 // block), 4 if block <= 4096 else 32))
+    hw = device.type == "cuda" and not INTERPRET
+    grid = (triton.cdiv(m, rows_per),)
+    kernel[grid](
+        *tensors, q, s, m, k, *strides, q.stride(0), FP8_MAX=FP8_MAX, ROWS=rows_per, BLOCK_K=block, HW_CVT=hw,
+        num_warps=warps,
+    )  # fmt: skip
+    return q.view(torch.float8_e4m3fn), s
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit column stride) -> (e4m3 [M, K], float32 scales [M, 1]), one scale per row (token)."""
     m, k = x2.shape
-    q = torch.empty((m, k), dtype=torch.uint8, device=x2.device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
-    block = triton.next_power_of_2(k)
-    warps = 4 if block <= 4096 else 8 if block <= 8192 else 16
-    _quantize_rows_kernel[(m,)](
-        x2, q, s, k, x2.stride(0), q.stride(0), FP8_MAX=FP8_MAX, BLOCK_K=block, num_warps=warps
-    )
-    return q.view(torch.float8_e4m3fn), s
+    return _launch(_quantize_rows_kernel, (x2,), (x2.stride(0),), m, k, x2.device)
+
+
+def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows(silu(gate) * up) with the product rounded to gate's dtype, in one pass (unit column strides)."""
+    m, k = g2.shape
+    return _launch(_swiglu_quantize_rows_kernel, (g2, u2), (g2.stride(0), u2.stride(0)), m, k, g2.device)
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
@@ -80,6 +132,20 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     return None
 
 
+def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
+    if up.shape != gate.shape or up.dtype != gate.dtype:
+        return "gate and up differ in shape or dtype"
+    if torch.is_grad_enabled() and up.requires_grad:
+        return "needs gradients"
+    return accepts_linear_q(gate, qweight, bias)
+
+
 def linear_q(x, qweight, bias=None):
     xq, scale_a = quantize_rows(rows(x, qweight.shape[1]))
     return scaled_mm_rows(xq, scale_a, qweight, x, bias)
+
+
+def swiglu_linear_q(gate, up, qweight, bias=None):
+    k = qweight.shape[1]
+    xq, scale_a = swiglu_quantize_rows(rows(gate, k), rows(up, k))
+    return scaled_mm_rows(xq, scale_a, qweight, gate, bias)
