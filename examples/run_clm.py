@@ -140,6 +140,7 @@ def _check_lora(script: ScriptArguments) -> None:
 def add_lora(model, script: ScriptArguments, targs: PolyfuseTrainingArguments):
     """The model wrapped by PEFT's LoRA (its base weights frozen), as optimum-habana's run_lora_clm.py does."""
     from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import set_seed
 
     if targs.gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
         # transformers' reentrant checkpointing (the 4.x default) needs an input that requires grad, and the frozen
@@ -149,6 +150,10 @@ def add_lora(model, script: ScriptArguments, targs: PolyfuseTrainingArguments):
         r=script.lora_rank, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout,
         target_modules=lora_targets(script), bias="none", task_type=TaskType.CAUSAL_LM,
     )  # fmt: skip
+    # lora_A starts random (torch's default generator is seeded at random per process, and Trainer seeds only after
+    # this): --seed makes it the same on every run and every rank; FSDP2 shards each rank's own copy unsynchronized,
+    # so ranks drawing different adapters would train a mix of them.
+    set_seed(targs.seed)
     model = get_peft_model(model, config)
     model.print_trainable_parameters()
     return model
