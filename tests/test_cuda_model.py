@@ -129,6 +129,26 @@ def test_graph_replay_matches_eager_exactly(pair):
     assert torch.equal(b1, eager.generate(ids[:1], mask[:1], **kw))
 
 
+def test_pdl_gives_the_same_tokens(pair, monkeypatch):
+    """The decode kernels launched with programmatic dependent launch (Hopper and up: each waits for the kernel before
+    it) give the tokens of plain stream order, under CUDA graphs (eager greedy tokens as the reference)."""
+    from polyfuse.backends.triton import _pdl
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    _, _, path = pair
+    ids, mask = _prompts(1000, "cuda")
+    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(_pdl, "ENABLED", on)
+        _pdl._supported.cache_clear()
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags)
+        out[on] = model.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
+    _pdl._supported.cache_clear()
+    assert torch.equal(out[True], out[False])
+
+
 def test_graphed_token_step_with_eos_matches_eager(pair):
     """The in-place token step under graphs: rows finishing at different steps, the output trimmed where the last
     one finished, the warm-ups undone (the first replayed tokens are the eager ones), and the sampling path (the

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
 from polyfuse.ops.attention import AttentionMeta
@@ -27,10 +28,11 @@ def _decode_kernel(
     sq_b, sq_h, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_l, skm_b, so_b, so_h,
     D: tl.constexpr, MASK_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, RED_R: tl.constexpr, RED_S: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """MASK_KIND 0: none, 1: additive MASK [B, 1, 1, Lk], 2: boolean KEY_MASK [B, Lk] and keys <= CACHE_POS[0]
     (and keys > CACHE_POS[0] - window when WINDOWED)."""
+    wait_prior(PDL)
     pid_bg = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b = pid_bg // HKV
@@ -224,6 +226,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
         BLOCK_R=max(16, triton.next_power_of_2(n_rep)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
         RED_R=red_r, RED_S=max(2, min(triton.next_power_of_2(n_splits), 4096 // (red_r * max(16, d)) or 1)),
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WINDOWED=use_keys and meta.window is not None, num_warps=4,
+        WINDOWED=use_keys and meta.window is not None, num_warps=4, **pdl_options(q.device),
     )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 
 
@@ -21,7 +22,9 @@ from polyfuse.backends.triton._rounding import cast_rne
 def _gemv_kernel(
     X, U, W, Y, N, K, sx_m, su_m, sw_n, sy_m,
     M: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     pid = tl.program_id(0).to(tl.int64)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -66,7 +69,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor = None, block_n: int
         x, up if up is not None else x, w, y, n, k, x.stride(0), (up if up is not None else x).stride(0),
         w.stride(0), y.stride(0),
         M=m, SWIGLU=up is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(w.device),
     )  # fmt: skip
     return y
 

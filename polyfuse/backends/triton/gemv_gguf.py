@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_k, store_out
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
@@ -25,8 +26,9 @@ LAYOUT = {"gguf_q8_0": (0, 17, 1, 16), "gguf_q4_0": (1, 9, 1, 8), "gguf_q4_1": (
 def _gemv_gguf_kernel(
     X, U, W, B, Y, WS, CNT, N, NB, row_hw, nb_per_split,
     SWIGLU: tl.constexpr, FMT: tl.constexpr, BLOCK_HW: tl.constexpr, QS0: tl.constexpr, NQ: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     b_start = tl.program_id(1) * nb_per_split
@@ -93,5 +95,6 @@ def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
         x, up if up is not None else x, w16, bias if bias is not None else y, y, ws, cnt, n, nb, w16.stride(0), per,
         SWIGLU=up is not None, FMT=fmt_code, BLOCK_HW=block_hw, QS0=qs0, NQ=nq, HAS_BIAS=bias is not None,
         SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
     )  # fmt: skip
     return y

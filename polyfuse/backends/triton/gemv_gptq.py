@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import dense_rows, load_x, split_buffers, split_k, store_out, tiles_for
 
 
@@ -27,8 +28,9 @@ from polyfuse.backends.triton._qgemv import dense_rows, load_x, split_buffers, s
 def _gemv_gptq_kernel(
     X, U, QW, QZ, S, GI, B, Y, WS, CNT, N, K8, G_SIZE, sq_k, sz_g, ss_g, k8_per_split,
     SWIGLU: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     zshift = (n % 8) * 4
@@ -102,5 +104,6 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
     )  # fmt: skip
     return y

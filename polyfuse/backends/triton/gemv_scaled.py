@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
     dense_rows,
     e4m3_to_f32,
@@ -72,7 +73,9 @@ def _gemv_scaled_kernel(
     X, U, W, S, B, Y, WS, CNT, N, K, sw_n, ss_n, k_per_split,
     SWIGLU: tl.constexpr, GROUP: tl.constexpr, FP8_BITS: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k_start = tl.program_id(1) * k_per_split
@@ -121,6 +124,6 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
         scales.stride(0), per,
         SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), INT8=qw.format == "int8",
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        ASM=not INTERPRET, num_warps=num_warps, num_stages=num_stages,
+        ASM=not INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y

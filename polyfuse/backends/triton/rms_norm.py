@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows, sm_count
 
@@ -32,7 +33,9 @@ def _rms_norm_fwd_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -135,6 +138,7 @@ def rms_norm_forward(x2, weight, eps, residual2=None):
             HAS_RES=residual2 is not None,
             BLOCK=block,
             num_warps=num_warps,
+            **pdl_options(x2.device),
         )
     return y, rstd, r
 

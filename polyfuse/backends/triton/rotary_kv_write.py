@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton.rotary import _cos_sin, _load_cos_sin, _rotate_block, _unit_last
 
 
@@ -17,8 +18,9 @@ def _rotary_kv_write_kernel(
     Q, K, V, QO, KC, VC, COS, SIN, POS, L, HQ, HKV,
     sq_b, sq_h, sq_l, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, oq_b, oq_h, oq_l,
     kc_b, kc_h, kc_l, vc_b, vc_h, vc_l, sc_b, sc_l, ss_b, ss_l,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_prior(PDL)
     pid_bl = tl.program_id(0).to(tl.int64)
     pid_h = tl.program_id(1)
     b = pid_bl // L
@@ -71,6 +73,6 @@ def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position):
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4,
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4, **pdl_options(q.device),
     )  # fmt: skip
     return qo

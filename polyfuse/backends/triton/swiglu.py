@@ -17,12 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -60,7 +62,9 @@ def swiglu_forward(gate, up):
     if y.numel():
         block = _block(i)
         grid = (g2.shape[0], triton.cdiv(i, block))
-        _swiglu_fwd_kernel[grid](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), i, BLOCK=block, num_warps=4)
+        _swiglu_fwd_kernel[grid](
+            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), i, BLOCK=block, num_warps=4, **pdl_options(y.device)
+        )  # fmt: skip
     return y.view(gate.shape)
 
 
