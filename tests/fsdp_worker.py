@@ -4,7 +4,8 @@ layer) on the CPU, gloo, under ``torchrun --nproc-per-node 2``:
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/fsdp_worker.py OUT_DIR [CASE ...]
 
 Cases (``CASES``): ``polyfuse`` (polyfuse's Llama, tied embeddings) and ``transformers`` (a patched transformers
-Llama, untied) with SHARDED_STATE_DICT checkpoints, ``polyfuse_full`` with FULL_STATE_DICT ones. Each: a tiny Llama
+Llama, untied) with SHARDED_STATE_DICT checkpoints, ``polyfuse_full`` with FULL_STATE_DICT ones,
+``polyfuse_unsynced`` whose ranks start from different weights (``UNSYNCED``). Each: a tiny Llama
 with the same weights on every rank, gradient checkpointing on, AdamW steps (6) at a global batch of 4 rows (2 per
 rank), a checkpoint at step 2, then ``save_model`` (the final save: one consolidated transformers checkpoint); then
 a second trainer, built from other weights, resumes from checkpoint-2 and trains to step 4. Every rank writes
@@ -34,7 +35,12 @@ CASES = {  # case: (model implementation, fsdp_config state_dict_type)
     "polyfuse": ("polyfuse", "SHARDED_STATE_DICT"),
     "transformers": ("transformers", "SHARDED_STATE_DICT"),
     "polyfuse_full": ("polyfuse", "FULL_STATE_DICT"),
+    "polyfuse_unsynced": ("polyfuse", "SHARDED_STATE_DICT"),
 }
+# Cases whose ranks start from different weights (seed = rank, as an adapter drawn without a common seed would):
+# PolyfuseTrainer.train replaces them by rank 0's before sharding (polyfuse.training.fsdp.sync_trainable), so the run
+# equals the one-process run from rank 0's weights (seed 0).
+UNSYNCED = ("polyfuse_unsynced",)
 GLOBAL_BATCH, STEPS, SEQ, ROWS = 4, 6, 16, 24
 
 
@@ -83,13 +89,21 @@ def losses(trainer) -> list:
 def run_case(case: str, out: str, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule
 
+    from polyfuse.training import fsdp
+
     impl, sd_type = CASES[case]
+    seed = int(os.environ.get("RANK", "0")) if case in UNSYNCED else 0
     trainer = PolyfuseTrainer(
-        model=build(impl, seed=0), args=arguments(os.path.join(out, case), world, sd_type), train_dataset=dataset(),
-        data_collator=default_data_collator,
+        model=build(impl, seed=seed), args=arguments(os.path.join(out, case), world, sd_type),
+        train_dataset=dataset(), data_collator=default_data_collator,
     )  # fmt: skip
     lce = count_calls(trainer.polyfuse_kernels, "linear_cross_entropy")
-    trainer.train()
+    replaced, sync = [], fsdp.sync_trainable
+    fsdp.sync_trainable = lambda *a: replaced.append(sync(*a)) or replaced[-1]
+    try:
+        trainer.train()
+    finally:
+        fsdp.sync_trainable = sync
     model = trainer.model_wrapped
     units = sorted({type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)})
     layer_units = sum(isinstance(m, FSDPModule) and "DecoderLayer" in type(m).__name__ for m in model.modules())
@@ -101,6 +115,11 @@ def run_case(case: str, out: str, world: int) -> dict:
         "layer_units": layer_units,
         "report": trainer._polyfuse_report,
         "checkpoint_files": sorted(os.listdir(os.path.join(out, case, "checkpoint-2"))),
+        "synced": replaced,  # tensors sync_trainable replaced, per train() (none without FSDP)
+        # trainable tensors whose values depend on the seed (the norms start at one whatever it is)
+        "seeded": sum(
+            not torch.equal(a, b) for a, b in zip(build(impl, seed=0).parameters(), build(impl, seed=1).parameters())
+        ),
     }
     trainer.save_model(os.path.join(out, case, "final"))  # the final save: consolidated, whatever the checkpoints are
     # Resume: a trainer on other weights picks up checkpoint-2 (model, optimizer, scheduler, data position).

@@ -152,8 +152,9 @@ def single_results(tmp_path_factory):
     results = {}
     for case in ("polyfuse", "transformers"):
         results[case] = fsdp_worker.run_case(case, str(out), world=1)
-    results["polyfuse_full"] = results["polyfuse"]  # the state dict type changes nothing in one process
-    folders = {case: out / ("polyfuse" if case == "polyfuse_full" else case) / "final" for case in fsdp_worker.CASES}
+    # the state dict type changes nothing in one process; the unsynced case's ranks train rank 0's weights (seed 0)
+    results["polyfuse_full"] = results["polyfuse_unsynced"] = results["polyfuse"]
+    folders = {case: out / fsdp_worker.CASES[case][0] / "final" for case in fsdp_worker.CASES}
     return results, folders
 
 
@@ -183,6 +184,18 @@ def test_fsdp2_losses_equal_one_process(fsdp_results, single_results, case):
     print(f"{case}: FSDP2 x2 vs 1 process, worst relative loss difference {worst:.2e}")
     assert worst <= LOSS_RTOL, (losses, single)
     assert ranks[1][case]["losses"] == losses  # every rank logs the same (gathered) loss
+
+
+def test_ranks_starting_from_different_weights_train_rank_0s(fsdp_results):
+    """FSDP2 shards each rank's own copy of the model: ranks whose trainable weights differ (the unsynced case: seed =
+    rank, as a PEFT adapter drawn without a common seed) have them replaced by rank 0's before sharding: every tensor
+    the seed draws (not the norms, which start at one), none where the ranks agree; the run then equals the one-process run from rank 0's weights
+    (test_fsdp2_losses_equal_one_process, same case)."""
+    _, ranks = fsdp_results
+    for rank in ranks:
+        unsynced = rank["polyfuse_unsynced"]
+        assert unsynced["synced"] == [unsynced["seeded"]] and unsynced["seeded"] > 0, unsynced
+        assert rank["polyfuse"]["synced"] == [0] and rank["transformers"]["synced"] == [0]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -14,7 +14,10 @@ with the LM head, and the root). polyfuse adds only:
 * the full (consolidated) state dict gathered on every rank for a polyfuse checkpoint in transformers' format;
 * :func:`agree_ranks` (run_clm.py, after loading): one rank's load error, or ranks given different models or
   arguments, become one error on every rank instead of a peer waiting in a collective;
-* :func:`prepare_zero3`: ``--deepspeed`` with ZeRO-3 (transformers' integration) and the fused paths' weight reads.
+* :func:`prepare_zero3`: ``--deepspeed`` with ZeRO-3 (transformers' integration) and the fused paths' weight reads;
+* :func:`sync_trainable` (``PolyfuseTrainer.train``, before sharding): trainable parameters that differ between ranks
+  (a PEFT adapter drawn from each process's own random state) are replaced by rank 0's, with one warning, as DDP
+  broadcasts rank 0's parameters when it wraps a model; FSDP2 shards each rank's own copy as it is.
 
 The model side (models/decoder.py): ``DecoderForCausalLM._no_split_modules`` / ``base_model_prefix`` for
 accelerate, and the final norm and the LM head's fused loss called as modules, so FSDP2's hooks unshard them.
@@ -199,6 +202,55 @@ def agree_ranks(args, error: Optional[BaseException], model: Optional[nn.Module]
         return
     ctx = TPContext(rank=dist.get_rank(), world_size=dist.get_world_size(), group=dist.group.WORLD)
     agree(ctx, error, run_fingerprint(model, args))
+
+
+def _comm_device() -> torch.device:
+    """Where the default process group's collectives take tensors: host memory for gloo, the current accelerator
+    for NCCL / HCCL."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "hccl" in backend:
+        return torch.device("hpu")
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def sync_trainable(model: nn.Module, args) -> int:
+    """Under FSDP2 with several processes, before sharding: every rank compares a checksum (sum and sum of squares, in
+    float64) of each trainable parameter with rank 0's; where any rank differs, rank 0's values are broadcast to all
+    and rank 0 prints one warning naming how many tensors (DDP broadcasts rank 0's parameters when it wraps a model;
+    FSDP2 shards each rank's own copy, so ranks that drew a PEFT adapter from their own random state would train a mix
+    of the ranks' shards). Returns the number of tensors replaced (0 without FSDP, with one process, or when parameters
+    are not materialized yet: meta tensors, which accelerate's RAM-efficient loading fills from rank 0 itself)."""
+    import torch.distributed as dist
+
+    if not fsdp_enabled(args) or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params or any(p.is_meta or type(p.data) is not torch.Tensor for p in params):
+        return 0  # meta (filled by accelerate from rank 0) or already sharded (DTensor)
+    dev = _comm_device()
+    sums = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in params]).to(dev)
+    ref = sums.clone()
+    dist.broadcast(ref, src=0)
+    differs = (sums != ref).any(dim=1).to(torch.int32)
+    dist.all_reduce(differs, op=dist.ReduceOp.MAX)
+    replaced = [p for p, d in zip(params, differs.tolist()) if d]
+    for p in replaced:
+        t = p.detach().to(dev)
+        dist.broadcast(t, src=0)
+        p.copy_(t)
+    if replaced and dist.get_rank() == 0:
+        print(
+            f"warning: --fsdp: {len(replaced)} of {len(params)} trainable tensors differed between the ranks (an "
+            "adapter initialized without a common seed?): rank 0's values were broadcast to every rank before "
+            "sharding",
+            flush=True,
+        )
+    return len(replaced)
 
 
 def prepare_zero3(model: nn.Module, args) -> bool:

@@ -131,6 +131,8 @@ class PolyfuseTrainer(Trainer):
         self._train_start_time = self._last_log_time = time.perf_counter()
         self._tokens_total = self._tokens_since_log = 0
         self.runtime.reset_peak_memory()
+        if self._fsdp():  # ranks whose trainable weights differ (an unseeded PEFT adapter) get rank 0's, as under DDP
+            _fsdp.sync_trainable(self.model, self.args)
         return super().train(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
