@@ -64,7 +64,19 @@ def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
     return linear_q_native(h, qweight, None if bias is None else bias.float()).to(gate.dtype)
 
 
-REF_FN = {("swiglu_linear_q", "gemv_q"): _swiglu_rounded_linear_q_f32}
+# swiglu_linear's training form (triton_recompute) is the same: its SwiGLU pass rounds silu(gate) * up to the inputs'
+# dtype once, then the library GEMM multiplies. Against the float32 SwiGLU, that rounding alone puts 6 of the 4096
+# bf16 outputs of the I = 14336 case up to 0.25 past the bound (the H200 failure of run 24, reproduced exactly on the
+# CPU by rounding the product and multiplying in float64); against this reference, none.
+def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
+    h = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype).float()
+    return torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float()).to(gate.dtype)
+
+
+REF_FN = {
+    ("swiglu_linear_q", "gemv_q"): _swiglu_rounded_linear_q_f32,
+    ("swiglu_linear", "triton_recompute"): _swiglu_rounded_linear_f32,
+}
 # Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
 LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0, "swiglu_linear": 2.0, "swiglu_linear_q": 2.0}
 # float32 ops that sum long rows (K up to 14336) in another order than the library GEMM.
