@@ -71,6 +71,8 @@ def cases_swiglu_linear_q(device, dtype, big):
     out = []
     for fmt in CASE_FORMATS:
         for lead, i, n in _shapes(big):
+            if fmt == "fp8":
+                n = 48 if not big else n  # a multiple of 16: the fp8 scaled_mm implementation takes it
             gen = torch.Generator().manual_seed(i + n + 1)
             gu0 = (torch.randn(*lead, 2 * i, generator=gen) * 2).to(dtype).to(device)
             qw = quantized(fmt, n, i, device, seed=1)

@@ -215,28 +215,3 @@ def test_tensor_parallel_all_reduce_takes_the_one_shot_kernel_for_decode_sizes_o
     assert sar.size_refusal(4096 * 2) is None  # batch-1 decode, hidden 4096, bf16
     assert "NCCL" in sar.size_refusal(sar.MAX_BYTES + 16)  # e.g. a prefill's activations
     assert "16 bytes" in sar.size_refusal(4095 * 2)
-
-
-def test_pdl_launches_only_on_hopper_nvidia_gpus(monkeypatch):
-    """Programmatic dependent launch (backends/triton/_pdl.py): launch_pdl on NVIDIA GPUs of compute capability 9.0
-    and up, not on older ones, ROCm, the CPU, under the interpreter or with POLYFUSE_PDL=0."""
-    from polyfuse.backends.triton import _pdl
-
-    gpu = torch.device("cuda", 0)
-
-    def options(interpret=False, enabled=True, cap=(9, 0), hip=None, device=gpu):
-        monkeypatch.setattr(_pdl, "INTERPRET", interpret)
-        monkeypatch.setattr(_pdl, "ENABLED", enabled)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
-        monkeypatch.setattr(torch.version, "hip", hip)
-        _pdl._supported.cache_clear()
-        try:
-            return _pdl.pdl_options(device)
-        finally:
-            _pdl._supported.cache_clear()
-
-    assert options() == {"PDL": True, "launch_pdl": True}
-    assert options(cap=(10, 0)) == {"PDL": True, "launch_pdl": True}
-    for off in (dict(cap=(8, 9)), dict(interpret=True), dict(enabled=False), dict(hip="6.2"),
-                dict(device=torch.device("cpu"))):  # fmt: skip
-        assert options(**off) == {"PDL": False}, off

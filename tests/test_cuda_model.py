@@ -129,13 +129,15 @@ def test_graph_replay_matches_eager_exactly(pair):
     assert torch.equal(b1, eager.generate(ids[:1], mask[:1], **kw))
 
 
-def test_pdl_gives_the_same_tokens(pair, monkeypatch):
-    """The decode kernels launched with programmatic dependent launch (Hopper and up: each waits for the kernel before
-    it) give the tokens of plain stream order, under CUDA graphs (eager greedy tokens as the reference)."""
+@pytest.mark.parametrize("quant", [None, "fp8", "int4", "int8"])
+def test_pdl_gives_the_same_tokens(pair, monkeypatch, quant):
+    """The inference kernels launched with programmatic dependent launch (Hopper and up: each waits for the kernel
+    before it) give the tokens of plain stream order, under CUDA graphs, for bf16 weights and through the quantized
+    one-row GEMVs (fp8 / int8: gemv_scaled, int4: gemv_gptq)."""
     from polyfuse.backends.triton import _pdl
 
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    if torch.cuda.get_device_capability() < (9, 0) or not _pdl.TRITON_HAS_PDL:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and Triton 3.4+")
     _, _, path = pair
     ids, mask = _prompts(1000, "cuda")
     flags = {"use_flash_attention": True, "use_cuda_graphs": True}
@@ -143,7 +145,8 @@ def test_pdl_gives_the_same_tokens(pair, monkeypatch):
     for on in (False, True):
         monkeypatch.setattr(_pdl, "ENABLED", on)
         _pdl._supported.cache_clear()
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags)
+        assert _pdl.pdl(torch.device("cuda")) is on
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags, quant=quant)
         out[on] = model.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     _pdl._supported.cache_clear()
     assert torch.equal(out[True], out[False])

@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -190,6 +191,28 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
     got = linear_q(x, qw)
     assert got.dtype == torch.bfloat16 and rel(got.float(), ref) < 4e-3
     assert rel(got.float(), torch.nn.functional.linear(x, qf.dequantize(qw, torch.bfloat16)).float()) > 4e-3
+
+
+def test_scaled_mm_fast_accumulation_switch(monkeypatch):
+    """torch._scaled_mm gets use_fast_accum on GPUs (ops/quant_linear.py), not with POLYFUSE_FP8_FAST_ACCUM=0 (read
+    at import: FAST_ACCUM), never on the CPU; scaled_mm_rows passes what fast_accum says for its operands' device."""
+    from polyfuse.ops import quant_linear as ql
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert ql.fast_accum(gpu) is ql.FAST_ACCUM and not ql.fast_accum(cpu)
+    monkeypatch.setattr(ql, "FAST_ACCUM", False)
+    assert not ql.fast_accum(gpu)
+    monkeypatch.setattr(ql, "FAST_ACCUM", True)
+    assert ql.fast_accum(gpu)
+    seen = []
+    monkeypatch.setattr(ql, "fast_accum", lambda device: seen.append(device) or "flag")
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: seen.append(k["use_fast_accum"]) or torch.zeros(2, 48))
+    qw = quantized("fp8", 48, 96, "cpu")
+    ql.scaled_mm_rows(torch.zeros(2, 96).to(torch.float8_e4m3fn), torch.ones(2, 1), qw, torch.zeros(2, 96))
+    assert seen == [cpu, "flag"]
+    r = subprocess.run([sys.executable, "-c", "from polyfuse.ops import quant_linear as q; print(q.FAST_ACCUM)"],
+                       env=dict(os.environ, POLYFUSE_FP8_FAST_ACCUM="0"), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.stdout.strip() == "False", r.stderr[-2000:]
 
 
 def test_triton_fp8_row_quantization_is_torchs():

@@ -69,6 +69,12 @@ def scaled_mm_refusal(x: torch.Tensor, qweight: QuantizedWeight) -> Optional[str
 FAST_ACCUM = os.environ.get("POLYFUSE_FP8_FAST_ACCUM", "1") != "0"
 
 
+def fast_accum(device: torch.device) -> bool:
+    """Whether ``_scaled_mm`` on ``device`` runs with fast accumulation: on GPUs unless POLYFUSE_FP8_FAST_ACCUM=0 (read
+    at import); never on the CPU, whose kernel has no such mode."""
+    return FAST_ACCUM and device.type == "cuda"
+
+
 def scaled_mm_rows(xq: torch.Tensor, scale_a: torch.Tensor, qweight: QuantizedWeight, x: torch.Tensor, bias=None):
     """y = (xq * scale_a) @ (qweight * its channel scales).T in x's dtype and shape: e4m3 rows xq [M, K] with
     float32 scales [M, 1] (how they were quantized is the caller's), on the fp8 tensor cores."""
@@ -76,7 +82,7 @@ def scaled_mm_rows(xq: torch.Tensor, scale_a: torch.Tensor, qweight: QuantizedWe
     w = qweight.qweight  # [N, K] row-major: its transpose is the column-major mat2 scaled_mm wants
     y = torch._scaled_mm(
         xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype,
-        use_fast_accum=FAST_ACCUM and xq.is_cuda,
+        use_fast_accum=fast_accum(xq.device),
     )  # fmt: skip
     if bias is not None:
         y = y + bias

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+"""Programmatic dependent launch (PDL, Hopper and later) for the Triton kernels of inference.
 
 A decode step is a chain of short kernels (a Llama-2-70B layer: nine, 8-110 us each), and between two of them the GPU
 idles while the next grid is launched and its blocks placed. With PDL a kernel is launched with the "programmatic
@@ -9,9 +9,12 @@ most one grid waits ahead. Every kernel launched this way waits before its first
 memory effects is the stream's, as without PDL; a kernel launched without the attribute (cuBLAS, torch's) keeps
 plain stream order, and a PDL kernel after it waits for it whole.
 
-``pdl_options(device)``: the launch options (``launch_pdl=True``) where PDL runs: NVIDIA GPUs of compute capability
-9.0 or more, not under the CPU interpreter; ``POLYFUSE_PDL=0`` turns it off. Kernels take a ``PDL`` constexpr and call
-``wait_prior(PDL)`` first.
+Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, RMSNorm and
+add+RMSNorm, rotary + cache write, decode attention, SwiGLU), launched with ``**pdl_options(device)``. That gives
+PDL on NVIDIA GPUs of compute capability 9.0 or more, under ``torch.inference_mode`` (generation, prefill and decode:
+what has been measured and checked on an H200; training launches plainly), with a Triton that has PDL (3.4 and
+later: ``gdc_wait`` and the ``launch_pdl`` launch option; with an older one ``wait_prior`` is empty and nothing
+launches with PDL), not under the CPU interpreter. ``POLYFUSE_PDL=0`` (read at import) turns it off.
 """
 
 import functools
@@ -27,27 +30,50 @@ from polyfuse.backends.triton._rounding import INTERPRET
 ENABLED = os.environ.get("POLYFUSE_PDL", "1") != "0"
 
 
+def _triton_has_pdl() -> bool:
+    """Triton's device-side instructions (tl.extra.cuda.gdc_wait / gdc_launch_dependents) and its launch option."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as extra_cuda
+    except Exception:  # no NVIDIA backend in this Triton (ROCm builds), or another layout
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return hasattr(extra_cuda, "gdc_wait") and hasattr(extra_cuda, "gdc_launch_dependents") and "launch_pdl" in fields
+
+
+TRITON_HAS_PDL = _triton_has_pdl()
+
+
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
-    if INTERPRET or not ENABLED or device.type != "cuda" or torch.version.hip is not None:
+    if INTERPRET or not ENABLED or not TRITON_HAS_PDL or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL."""
+    """Whether kernels on ``device`` launch with PDL (in inference mode)."""
     return _supported(torch.device(device.type, device.index if device.index is not None else 0))
 
 
 def pdl_options(device: torch.device) -> dict:
     """Keyword arguments of a launch: PDL=<bool> for the kernel, launch_pdl=True where it runs."""
-    on = pdl(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    on = torch.is_inference_mode_enabled() and pdl(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-@triton.jit
-def wait_prior(PDL: tl.constexpr):
-    """With PDL: wait for the kernel before this one to finish (its writes visible), then let the next one launch."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+if TRITON_HAS_PDL:
+
+    @triton.jit
+    def wait_prior(PDL: tl.constexpr):
+        """With PDL: wait for the kernel before this one to finish (its writes visible), then let the next launch."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+
+else:  # Triton before 3.4: the kernels must not even name the instructions (their cache key walks every attribute)
+
+    @triton.jit
+    def wait_prior(PDL: tl.constexpr):
+        """No PDL in this Triton: nothing to wait for beyond stream order."""
+        pass

@@ -5,7 +5,8 @@ activation loads.
 It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
 (for linear_q: dequant_mm.py, one dequantize kernel + cuBLAS, for int4 / int8; triton:fp8_scaled_mm, then
-cuda:scaled_mm, for fp8; then the native reference; for swiglu_linear_q: the composite swiglu + linear_q).
+cuda:scaled_mm, for fp8; then the native reference; for swiglu_linear_q: triton:fp8_scaled_mm for fp8, then the
+composite swiglu + linear_q).
 """
 
 import os

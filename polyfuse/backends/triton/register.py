@@ -146,9 +146,9 @@ def quant_implementations() -> list[Implementation]:
     (every format), a GEMM dequantizing in its loads for a few rows (int4, int8, fp8: batch decode), and for linear_q a
     dequantize kernel + F.linear for any rows (int4, int8: prefill) and fp8 activations quantized per token by one
     kernel + torch._scaled_mm (fp8, bf16: prefill; for swiglu_linear_q the same with SwiGLU in the quantizing kernel).
-    Each declines (quietly: declining is the plan)
-    what it does not take; the rest goes to the next choice, in the end the native dequantize + matmul (or, for
-    swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the same chain)."""
+    Each declines (quietly: declining is the plan) what it does not take; the rest goes to the next choice, in the end
+    the native dequantize + matmul (or, for swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the
+    same chain)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
         out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))

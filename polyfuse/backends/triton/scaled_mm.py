@@ -3,10 +3,10 @@ Triton kernel, then ``torch._scaled_mm`` with row-wise scales (ops/quant_linear.
 
 The plain-torch quantization (backends/cuda/scaled_mm.py: abs, amax, a float32 copy, a multiply, a clamp, a cast)
 reads and writes the activations six times per projection; on a 2048-token prefill of the Llama-3-8B shape that made
-the fp8 prefill no faster than bf16 (50.2 against 49.5 ms, docs/benchmarks.md run 16). Here each program reads one
-row once, takes its amax, and writes the e4m3 row and its float32 scale: the same arithmetic (amax = max(|x|, 1e-12),
-x * (448 / amax) clamped to +-448, rounded to nearest even; scale amax / 448), so both quantize a row to the same
-bytes. On the GPU the e4m3 rounding is the hardware conversion (``cvt.rn.satfinite``, sm_89+); under the CPU
+the fp8 prefill no faster than bf16 (50.2 against 49.5 ms, docs/benchmarks.md run 16). Here each program reads its
+rows (one, or a few short ones: TILES) once, takes each row's amax, and writes the e4m3 rows and their float32 scales:
+the same arithmetic (amax = max(|x|, 1e-12), x * (448 / amax) clamped to +-448, rounded to nearest even; scale amax /
+448: two IEEE divisions per row, none per element), so both quantize a row to the same bytes. On the GPU the e4m3 rounding is the hardware conversion (``cvt.rn.satfinite``, sm_89+); under the CPU
 interpreter, whose own float -> fp8 cast rounds differently, the same rounding by integer arithmetic.
 
 The down projection's input is SwiGLU's output: ``swiglu_linear_q`` computes ``silu(gate) * up``, rounds it to the
