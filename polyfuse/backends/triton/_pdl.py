@@ -53,7 +53,7 @@ def _supported(device: torch.device) -> bool:
 
 def pdl(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (in inference mode)."""
-    return _supported(torch.device(device.type, device.index if device.index is not None else 0))
+    return _supported(device)
 
 
 def pdl_options(device: torch.device) -> dict:

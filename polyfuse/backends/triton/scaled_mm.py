@@ -6,8 +6,9 @@ reads and writes the activations six times per projection; on a 2048-token prefi
 the fp8 prefill no faster than bf16 (50.2 against 49.5 ms, docs/benchmarks.md run 16). Here each program reads its
 rows (one, or a few short ones: TILES) once, takes each row's amax, and writes the e4m3 rows and their float32 scales:
 the same arithmetic (amax = max(|x|, 1e-12), x * (448 / amax) clamped to +-448, rounded to nearest even; scale amax /
-448: two IEEE divisions per row, none per element), so both quantize a row to the same bytes. On the GPU the e4m3 rounding is the hardware conversion (``cvt.rn.satfinite``, sm_89+); under the CPU
-interpreter, whose own float -> fp8 cast rounds differently, the same rounding by integer arithmetic.
+448: two IEEE divisions per row, none per element), so both quantize a row to the same bytes. On the GPU the e4m3
+rounding is the hardware conversion (``cvt.rn.satfinite``, sm_89+); under the CPU interpreter, whose own float -> fp8
+cast rounds differently, the same rounding by integer arithmetic.
 
 The down projection's input is SwiGLU's output: ``swiglu_linear_q`` computes ``silu(gate) * up``, rounds it to the
 activations' dtype (as the separate SwiGLU kernel stores it) and quantizes it in the same pass, so the [tokens, I]
@@ -53,14 +54,15 @@ def e4m3_bits(q):
 def _store_quantized_rows(x, Q, S, r, M, sq, k, mask, FP8_MAX: tl.constexpr, HW_CVT: tl.constexpr):
     """Rows ``r`` [R] of float32 values ``x`` [R, BLOCK_K] -> e4m3 codes at Q[r] and each row's scale at S[r]."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    inv = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)  # IEEE divisions, as torch's (per row)
+    fp8_max = tl.full(amax.shape, FP8_MAX, tl.float32)
+    inv = tl.math.div_rn(fp8_max, amax)  # IEEE divisions, as torch's (per row)
     q = tl.minimum(tl.maximum(x * inv[:, None], -FP8_MAX), FP8_MAX)
     if HW_CVT:
         code = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         code = e4m3_bits(q)
     tl.store(Q + r[:, None] * sq + k[None, :], code, mask=mask)
-    tl.store(S + r, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), mask=r < M)
+    tl.store(S + r, tl.math.div_rn(amax, fp8_max), mask=r < M)
 
 
 @triton.jit
