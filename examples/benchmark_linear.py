@@ -76,7 +76,9 @@ QCONFIGS = [(bn, bk, nw, ns) for bn in (32, 64, 128) for bk in (64, 128) for nw 
 # K loop is software-pipelined (num_stages tiles in flight, in shared memory): tiles up to 32 KB per stage.
 GEMV_QCONFIGS = {
     "int4": [(bn, bk, 4, ns) for bn, bk in ((128, 128), (256, 64), (256, 128), (512, 32), (512, 64), (1024, 32))
-             for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((512, 64), (1024, 32), (2048, 32)) for ns in (3, 4)],
+             for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((512, 64), (1024, 32), (2048, 32)) for ns in (3, 4)]
+    + [(bn, bk, nw, ns) for bn, bk, nw in ((1024, 16, 4), (2048, 16, 4), (2048, 8, 4), (2048, 16, 8), (4096, 16, 8))
+       for ns in (2, 3, 4)],
     "bytes": [(bn, bk, 4, ns) for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256))
               for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((8, 2048), (16, 1024)) for ns in (3, 4)],
 }  # fmt: skip

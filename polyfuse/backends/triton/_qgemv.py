@@ -63,30 +63,35 @@ def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT: tl.
 
 
 # Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
-# 8; gguf: of 32); num_stages is the K loop's software-pipelining depth (tiles in flight). int8 / fp8 / int4: the
-# least time summed over the Llama-3-8B projections on one H200 (benchmark_linear.py --quant int4,int8,fp8
-# --gemv_sweep, run 22, with the pipelined loop: 65.4 / 66.4 / 86.0 us per layer, against 79.7 / 92.7 / 94.3 in run
-# 21); fp8_block and GGUF: not tuned on a GPU yet. POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces
+# 8; gguf: of 32); num_stages is the K loop's software-pipelining depth (tiles in flight). int8 / fp8: the least
+# time summed over the Llama-3-8B projections on one H200 (benchmark_linear.py --quant int4,int8,fp8 --gemv_sweep,
+# run 22, with the pipelined loop: 65.4 / 66.4 us per layer, against 79.7 / 92.7 in run 21); int4: the least summed
+# over the Llama-3-8B and Llama-2-70B projections (run 25: 78.8 / 232.3 us per layer with this tile, 71.5 / 209.6
+# with SHAPE_TILES, against 87.3 / 277.7 for run 24's kernel and tiles in the same call); fp8_block and GGUF: not
+# tuned on a GPU yet. POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces
 # entries.
 TILES = {
     "int8": (32, 256, 4, 4),
     "fp8": (32, 256, 4, 4),
     "fp8_block": (16, 128, 4, 3),
-    "int4": (256, 128, 4, 3),
+    "int4": (512, 64, 4, 3),
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
 }
-# (format, N, K) -> tile where run 22's sweep found a better one than the format's entry above for that projection
-# (Llama-3-8B on one H200; us: qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8; o 7.20 vs 7.22 / 6.98 (same); down 16.93
-# vs 16.71 int8 kept, 16.47 vs 16.43 fp8 kept; gate/up fp8 30.80 at 3 stages vs 32.43).
+# (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
+# H200; us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8;
+# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Llama-2-70B (run 24): int8 o 20.14 ->
+# 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55, gate/up 116.65 -> 111.36, down 57.65
+# -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its format tile 512 x 64 is the least
+# summed over both models): 8B o 9.29 at 2 stages, gate/up 31.38 (36.20 with the format tile); 70B qkv 25.46,
+# o 20.79, gate/up 105.53 (122.33), down 57.78 (61.14).
 SHAPE_TILES = {
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 28672, 4096): (32, 256, 4, 3),
-    # Llama-2-70B (run 24's sweep, one H200, us default -> this tile): int8 o 20.14 -> 19.26, gate/up 117.63 ->
-    # 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55, gate/up 116.65 -> 111.36, down 57.65 -> 56.66; int4 qkv
-    # 31.23 -> 29.37, gate/up 154.74 -> 148.46, down 91.11 -> 73.03 (qkv int8 / fp8 and o int4: the defaults won).
+    ("int4", 4096, 4096): (512, 64, 4, 2),
+    ("int4", 28672, 4096): (2048, 16, 4, 2),
     ("int8", 8192, 8192): (16, 512, 4, 3),
     ("int8", 57344, 8192): (16, 512, 4, 4),
     ("int8", 8192, 28672): (16, 512, 4, 3),
@@ -94,8 +99,9 @@ SHAPE_TILES = {
     ("fp8", 57344, 8192): (8, 2048, 4, 4),
     ("fp8", 8192, 28672): (8, 1024, 4, 3),
     ("int4", 10240, 8192): (1024, 32, 4, 2),
-    ("int4", 57344, 8192): (512, 64, 4, 3),
-    ("int4", 8192, 28672): (1024, 32, 4, 2),
+    ("int4", 8192, 8192): (1024, 32, 8, 3),
+    ("int4", 57344, 8192): (2048, 16, 4, 4),
+    ("int4", 8192, 28672): (1024, 32, 4, 3),
 }
 _env = os.environ.get("POLYFUSE_QGEMV_TILES")
 if _env:
