@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from polyfuse.bench.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
 from polyfuse.bench.shapes import config_for  # noqa: E402
 from polyfuse.engine.compat import DTYPE_KW  # noqa: E402
-from polyfuse.engine.generation import ensure_cache  # noqa: E402
+from polyfuse.engine.generation import StepModule, ensure_cache  # noqa: E402
 from polyfuse.engine.loading import hf_state_items, set_kernels  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 
@@ -159,9 +159,14 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
     with torch.inference_mode():
         ensure_cache(model, batch, length)
         s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
-        model.cache = None
         attention = model.kernels.choices["attention"].implementation.name
         log(prefill_row("polyfuse", attention, shape, batch, length, s, extra), out)
+        if model.flags.get("cuda_graph_prefill"):  # the prompt step as generate() runs it with the flag: a replay
+            step = model.runtime.graph_module(StepModule(model), "prefill", model.flags)
+            s, extra = _timed_peak(device, lambda: step(length, ids, pos, pos[0], None), reps=5)
+            log(prefill_row("polyfuse+cuda_graph", attention, shape, batch, length, s, extra), out)
+            del step
+        model.cache = None
         if hf is not None:
             for attn in ("sdpa", "eager"):
                 if attn == "eager" and batch * length > 8 * 4096:

@@ -125,8 +125,12 @@ def test_builtin_paris_end_to_end(tmp_path, tokenizer):
     [
         ("--use_hpu_graphs", "--use_hpu_graphs needs device hpu, this run is on cpu: no HPU graphs"),
         ("--use_cuda_graphs", "--use_cuda_graphs needs device cuda, this run is on cpu: eager steps, no CUDA graphs"),
+        (
+            "--cuda_graph_prefill",
+            "--cuda_graph_prefill needs device cuda, this run is on cpu: the prompt step runs eagerly",
+        ),
     ],
-    ids=["hpu_graphs", "cuda_graphs"],
+    ids=["hpu_graphs", "cuda_graphs", "cuda_graph_prefill"],
 )
 def test_device_flags_warn_once_and_run(capsys, tiny_folder, tmp_path, flag, fallback):
     rc, out, err = run_main(

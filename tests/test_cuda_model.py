@@ -180,6 +180,26 @@ def test_graphed_token_step_with_eos_matches_eager(pair):
     assert torch.equal(a, b)
 
 
+def test_cuda_graph_prefill_matches_eager(pair):
+    """--cuda_graph_prefill: the prompt step captured once per (batch, length) and replayed; padded and unpadded
+    prompts, greedy tokens equal to those of the same kernels with an eager prompt step, and the second generate()
+    replays the captured prompt graph."""
+    _, _, path = pair
+    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
+    eager = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags)
+    flags = dict(flags, cuda_graph_prefill=True)
+    graphed = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags)
+    ids, mask = _prompts(1000, "cuda")
+    for m in (mask, torch.ones_like(mask)):
+        want = eager.generate(ids, m, max_new_tokens=24, ignore_eos=True)
+        assert torch.equal(graphed.generate(ids, m, max_new_tokens=24, ignore_eos=True), want)
+        prefill = generation._STEPPERS[graphed][1]
+        assert prefill.disabled_reason is None and prefill.graphs
+        count = len(prefill.graphs)
+        assert torch.equal(graphed.generate(ids, m, max_new_tokens=24, ignore_eos=True), want)
+        assert len(prefill.graphs) == count  # replayed, not captured again
+
+
 def test_weight_bytes_counts_tied_head_once():
     model = LlamaForCausalLM.from_config(_config(tie_word_embeddings=True), dtype=torch.bfloat16, device="cuda")
     total = sum(p.numel() * 2 for p in model.parameters())

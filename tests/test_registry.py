@@ -379,3 +379,24 @@ def test_python_api_warns_once_per_flag_the_device_cannot_honour(caplog):
     msgs = [r.getMessage() for r in warnings_of(caplog)]
     assert len(msgs) == 2 and any("--use_cuda_graphs needs device cuda" in m for m in msgs), msgs
     assert not model.flags["use_cuda_graphs"] and not model.flags["use_hpu_graphs"]
+
+
+def test_cuda_graph_prefill_flag_needs_cuda_graphs_and_wraps_only_the_prompt_step():
+    """--cuda_graph_prefill: honoured by the CUDA runtime with --use_cuda_graphs (the prompt step becomes a
+    GraphedStep beside the decode steps); alone it is turned off with one warning; the default leaves the prompt
+    step eager."""
+    from polyfuse.backends.cuda.graphs import GraphedStep
+    from polyfuse.backends.cuda.runtime import CudaRuntime
+    from polyfuse.core.flags import check_flags
+
+    flags, warnings = check_flags("cuda", {"cuda_graph_prefill": True})
+    assert warnings == ["--cuda_graph_prefill without --use_cuda_graphs: ignored"] and not flags["cuda_graph_prefill"]
+    runtime = CudaRuntime(torch.device("cpu"))  # no capture happens here: only the wrapping is checked
+    module = torch.nn.Identity()
+    both = {"use_cuda_graphs": True, "cuda_graph_prefill": True}
+    for flags, graphed in (({"use_cuda_graphs": True}, {"decode", "token"}), (both, {"decode", "token", "prefill"}),
+                           ({"cuda_graph_prefill": True}, set())):  # fmt: skip
+        assert check_flags("cuda", flags)[0].get("cuda_graph_prefill", False) == (flags == both)
+        for phase in ("prefill", "decode", "token"):
+            step = runtime.graph_module(module, phase, flags)
+            assert isinstance(step, GraphedStep) == (phase in graphed), (flags, phase)

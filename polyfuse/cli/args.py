@@ -109,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="NVIDIA: capture the whole decode step once per batch size and KV-cache length, replay per token",
     )
+    g.add_argument(
+        "--cuda_graph_prefill",
+        action="store_true",
+        help="NVIDIA, with --use_cuda_graphs: capture the prompt step too, once per batch size and prompt length "
+        "(pays when prompts share a length, e.g. with --max_input_tokens; each new length costs a capture)",
+    )
     g.add_argument("--torch_compile", action="store_true", help="torch.compile each op function (not module forwards)")
     g.add_argument(
         "--bucket_size",
@@ -201,6 +207,7 @@ FLAG_NAMES = (
     "use_hpu_graphs",
     "limit_hpu_graphs",
     "use_cuda_graphs",
+    "cuda_graph_prefill",
     "torch_compile",
     "bucket_size",
     "reuse_cache",

@@ -12,6 +12,7 @@ DEVICE_FLAGS = {
     "use_hpu_graphs": "no HPU graphs (on NVIDIA use --use_cuda_graphs)",
     "limit_hpu_graphs": "ignored",
     "use_cuda_graphs": "eager steps, no CUDA graphs",
+    "cuda_graph_prefill": "the prompt step runs eagerly",
     "flash_attention_recompute": "ignored (Gaudi FusedSDPA option)",
     "flash_attention_causal_mask": "ignored (Gaudi FusedSDPA option); the attention mask is used",
     "flash_attention_fast_softmax": "ignored (Gaudi FusedSDPA option)",
@@ -42,6 +43,9 @@ def check_flags(device_type: str, flags: dict) -> tuple[dict, list[str]]:
     if flags.get("limit_hpu_graphs") and not flags.get("use_hpu_graphs"):
         warnings.append("--limit_hpu_graphs without --use_hpu_graphs: ignored")
         flags["limit_hpu_graphs"] = False
+    if flags.get("cuda_graph_prefill") and not flags.get("use_cuda_graphs"):
+        warnings.append("--cuda_graph_prefill without --use_cuda_graphs: ignored")
+        flags["cuda_graph_prefill"] = False
     if flags.get("use_hpu_graphs") and flags.get("torch_compile"):
         warnings.append("--use_hpu_graphs with --torch_compile: HPU graphs turned off, as in optimum-habana")
         flags["use_hpu_graphs"] = False

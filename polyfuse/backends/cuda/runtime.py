@@ -1,4 +1,5 @@
-"""CUDA runtime services: synchronize, memory statistics, and whole-step CUDA graphs for decoding."""
+"""CUDA runtime services: synchronize, memory statistics, and whole-step CUDA graphs for decoding (and, with
+``cuda_graph_prefill``, for the prompt step)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from polyfuse.core.runtime import DeviceRuntime, Step
 
 class CudaRuntime(DeviceRuntime):
     device_type = "cuda"
-    honours = frozenset({"use_cuda_graphs"})
+    honours = frozenset({"use_cuda_graphs", "cuda_graph_prefill"})
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
     def graph_module(self, module, phase: str, flags: dict) -> Step:
-        # Prefill shapes follow the prompt, so only the per-token steps are captured; the greedy token step updates
-        # its arguments in place, so they are the graph's own buffers.
-        if phase in ("decode", "token") and flags.get("use_cuda_graphs"):
+        # The greedy token step updates its arguments in place, so they are the graph's own buffers. The prompt
+        # step's shapes follow the prompt: it is captured (once per batch x length) only when asked, which pays when
+        # prompts share a length (--max_input_tokens pads them to one); as optimum-habana's HPU graphs do for it.
+        if not flags.get("use_cuda_graphs"):
+            return Step(module)
+        if phase in ("decode", "token") or (phase == "prefill" and flags.get("cuda_graph_prefill")):
             return GraphedStep(module, inplace=phase == "token")
         return Step(module)
 
