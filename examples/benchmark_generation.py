@@ -28,6 +28,7 @@ from polyfuse.bench.shapes import config_for  # noqa: E402
 from polyfuse.engine.compat import DTYPE_KW  # noqa: E402
 from polyfuse.engine.generation import StepModule, ensure_cache  # noqa: E402
 from polyfuse.engine.loading import hf_state_items, set_kernels  # noqa: E402
+from polyfuse.engine.quantize import quantize_lm_head_  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 
 
@@ -246,6 +247,7 @@ def main():
         choices=["fp8", "fp8_block", "int8", "int4"],
         help="polyfuse's projections quantized (random weights); the transformers peer runs torchao int8 weight-only",
     )
+    p.add_argument("--quant_lm_head", action="store_true", help="with --quant: the LM head quantized too")
     p.add_argument(
         "--tp", type=int, default=1, help="tensor parallel over N ranks: run under torchrun --nproc-per-node N"
     )
@@ -285,6 +287,8 @@ def main():
         model = AutoModelForCausalLM.from_config(
             cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
         )
+        if args.quant_lm_head:
+            quantize_lm_head_(model, args.quant)
         model.eval()
         wb = weight_bytes(model)
         wb_read = weight_bytes(model, exclude_embedding=True)
@@ -324,7 +328,7 @@ def main():
                 kv = model.cache.nbytes() if model.cache is not None else 0
                 row = decode_row("polyfuse", shape, bs, ms, warm, peak)
                 if args.quant:
-                    row["quant"] = args.quant
+                    row["quant"] = args.quant + ("+lm_head" if args.quant_lm_head else "")
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:

@@ -7,7 +7,8 @@
         --quant none,fp8,int8,int4 --context 1024
 
 --quant takes run_generation.py's values (none: every weight dequantized/float; gguf: a GGUF's Q8_0/Q4_0/Q4_1
-tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load). The first entry
+tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load); a value ending in
+"+lm_head" (fp8+lm_head, ...) also quantizes the LM head, as run_generation.py's --quant_lm_head. The first entry
 is the baseline the others are compared with. The default text is the Declaration of Independence (public domain,
 examples/data/declaration_of_independence.txt).
 """
@@ -25,6 +26,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
+from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_  # noqa: E402
 
 
 DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independence.txt")
@@ -58,9 +60,12 @@ def main(argv=None) -> int:
     base = None
     for quant in args.quant.split(","):
         t0 = time.perf_counter()
+        fmt, head = quant.removesuffix("+lm_head"), quant.endswith("+lm_head")
         model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf, dtype=dtype, device=args.device, quant=None if quant == "auto" else quant
+            path, gguf_file=gguf, dtype=dtype, device=args.device, quant=None if fmt == "auto" else fmt
         )
+        if head:  # run_generation.py's --quant_lm_head
+            quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, n = perplexity(model, windows)

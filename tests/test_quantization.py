@@ -137,10 +137,13 @@ def test_gemv_paths_against_the_reference(fmt):
         torch.randn(40, generator=gen),
     )
     w = qf.dequantize(qw)
+    # int4 in group order sums (2 + q / 8) x and takes (16 + z) s sum x off per group: that cancellation costs about
+    # two bits of float32 (measured 1.2e-6; 16 bits below the bf16 outputs the kernel makes on the GPU)
+    bound = 4e-6 if fmt == "int4" else 1e-6
     for split in (1, 3):
-        assert rel(kernel(x, None, qw, bias, split=split), x @ w.t() + bias) < 1e-6, split
+        assert rel(kernel(x, None, qw, bias, split=split), x @ w.t() + bias) < bound, split
         ref = (torch.nn.functional.silu(x) * up) @ w.t()
-        assert rel(kernel(x, up, qw, None, split=split), ref) < 1e-6, split
+        assert rel(kernel(x, up, qw, None, split=split), ref) < bound, split
     if fmt.startswith("fp8"):  # GPUs without fp8 conversions decode the bits by integer arithmetic
         assert torch.equal(
             gemv_scaled(x, None, qw, None, fp8_bits=True), gemv_scaled(x, None, qw, None, fp8_bits=False)
@@ -168,7 +171,7 @@ def test_gemv_int4_group_sizes():
     x = torch.randn(1, 192, generator=gen)
     for g in (32, 64, 192):
         qw = qf.quantize("int4", torch.randn(16, 192, generator=gen), group_size=g)
-        assert rel(gemv_gptq(x, None, qw), x @ qf.dequantize(qw).t()) < 1e-6, g
+        assert rel(gemv_gptq(x, None, qw), x @ qf.dequantize(qw).t()) < 4e-6, g  # the bound: see the test above
 
 
 def test_scaled_mm_is_per_token_fp8_arithmetic():

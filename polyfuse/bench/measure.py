@@ -40,7 +40,7 @@ def weight_bytes(model, exclude_embedding: bool = False) -> int:
     """Bytes of distinct parameters; the embedding table is read one row per token, so decode can exclude it."""
     seen, total = set(), 0
     emb = model.get_input_embeddings().weight
-    if emb is model.get_output_embeddings().weight:
+    if emb is getattr(model.get_output_embeddings(), "weight", None):
         emb = None  # tied: the table is read whole by the LM head
     for p in model.parameters():
         if id(p) in seen:

@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         "as stored; none: dequantize everything. Default: quantized checkpoints load as stored, a GGUF stays "
         "quantized where a kernel takes it (NVIDIA)",
     )
+    g.add_argument(
+        "--quant_lm_head",
+        action="store_true",
+        help="quantize the LM head too (after loading, in the format of --quant or of the checkpoint's projections; "
+        "a tied head is untied, the input embedding keeps its dtype): ~5%% faster batch-1 decode for Llama-3-8B",
+    )
     # ---- end of quantized weights ----
     return p
 

@@ -309,6 +309,10 @@ def load(args, device, flags):
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops,
             quant=getattr(args, "quant", None), **progress,
         )  # fmt: skip
+    if getattr(args, "quant_lm_head", False):
+        from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
+
+        quantize_lm_head_(model, args.quant if args.quant in LOAD_TIME_FORMATS else None)
     model.eval()
     return model, load_cli_tokenizer(args, path, gguf)
 

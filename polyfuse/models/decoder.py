@@ -339,7 +339,7 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary_emb.init_frequencies(device)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and not isinstance(self.lm_head, QLinear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # -- transformers' API ---------------------------------------------------------------------------------------
@@ -379,11 +379,11 @@ class DecoderForCausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.model.embed_tokens.weight.dtype
 
     def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
         from polyfuse.engine.generation import generate
@@ -450,9 +450,13 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary_emb.ensure_length(n)
         h = self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
         if labels is None:
+            if isinstance(self.lm_head, QLinear):
+                return CausalLMOutput(logits=self.head_logits(h))
             return CausalLMOutput(logits=self.lm_head(h) if self.vocab is None else self.vocab_parallel_logits(h))
         if self.vocab is not None:
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
+        if isinstance(self.lm_head, QLinear):
+            raise ValueError("the fused loss needs a float LM head: load the model without --quant_lm_head to train")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
         loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
@@ -473,7 +477,14 @@ class DecoderForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, position_ids, f)
         if self.vocab is not None:
             return self.vocab_parallel_logits(h[:, -1])
-        return self.kernels.linear(h[:, -1], self.lm_head.weight, self.lm_head.bias)
+        return self.head_logits(h[:, -1])
+
+    def head_logits(self, h) -> torch.Tensor:
+        """The LM head on ``h``: the ``linear`` ops, or ``linear_q`` where the head is packed (--quant_lm_head)."""
+        head = self.lm_head
+        if isinstance(head, QLinear):
+            return self.kernels.linear_q(h, head.quantized_weight(), head.bias)
+        return self.kernels.linear(h, head.weight, head.bias)
 
     def vocab_parallel_logits(self, h) -> torch.Tensor:
         """Tensor parallelism: the logits of this rank's vocabulary rows, zero-padded to the whole vocabulary and
