@@ -1,5 +1,5 @@
 """--quant_lm_head (engine/quantize.py quantize_lm_head_): the LM head packed after loading, untied where it was
-tied, computed by the linear_q ops in forward and in decode steps, saved with the checkpoint (AutoGPTQ's
+tied, computed by the linear_q ops in forward (the loss from its logits) and in decode steps, saved with the checkpoint (AutoGPTQ's
 ``lm_head: true``, polyfuse's ``formats``) and loaded back as stored; what it refuses."""
 
 import json
@@ -69,7 +69,7 @@ def test_head_packed_in_forward_and_decode_saved_and_loaded_back(tiny_dir, tmp_p
     torch.testing.assert_close(logits(dense), out, rtol=1e-5, atol=1e-5)
 
 
-def test_refusals_and_the_format_that_cannot_pack(tiny_dir, caplog):
+def test_refusals_the_loss_and_the_format_that_cannot_pack(tiny_dir, caplog):
     path, _ = tiny_dir
     model = LlamaForCausalLM.from_pretrained(path)
     with pytest.raises(ValueError, match="give the format"):
@@ -77,8 +77,10 @@ def test_refusals_and_the_format_that_cannot_pack(tiny_dir, caplog):
     with pytest.raises(ValueError, match="choose one of"):
         qz.quantize_lm_head_(model, "gguf_q4_0")
     qz.quantize_lm_head_(model, "int8")
-    with pytest.raises(ValueError, match="float LM head"):
-        model(IDS, labels=IDS)  # training's fused loss
+    with torch.no_grad():  # the loss (perplexity) from the packed head's logits, not the fused float-head loss
+        loss = model(IDS, labels=IDS).loss
+        want = torch.nn.functional.cross_entropy(logits(model)[:, :-1].reshape(-1, 304), IDS[:, 1:].reshape(-1))
+    torch.testing.assert_close(loss, want)
     odd = LlamaForCausalLM.from_config(tiny_config())  # 301 vocabulary rows: int4 packs zeros 8 rows to a word
     assert qz.quantize_lm_head_(odd, "int4") is False and not isinstance(odd.lm_head, QLinear)
     assert any("--quant_lm_head int4" in r.getMessage() and "keeps the run's dtype" in r.getMessage()

@@ -510,8 +510,8 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
     """Quantize a loaded model's LM head in place (``--quant_lm_head``): ``fmt`` or the format its quantized
     projections share. A tied head is untied first (the input embedding stays as it is; ``tie_word_embeddings``
     becomes false, so a save writes both and loads back without re-quantizing). A head the format cannot pack keeps
-    its dtype (one warning). Returns whether the head is quantized. Inference only: the fused training loss needs a
-    float head. Decode reads the head once per token (128256 x 4096 for Llama 3: 1.05 GB in bf16), so the one-row
+    its dtype (one warning). Returns whether the head is quantized. With labels the model's loss comes from the
+    packed head's logits (plain cross-entropy, as for perplexity), not from the fused float-head loss. Decode reads the head once per token (128256 x 4096 for Llama 3: 1.05 GB in bf16), so the one-row
     GEMV on a packed head saves ~5% of an 8B fp8 token (docs/quantization.md)."""
     head = model.get_output_embeddings()
     if isinstance(head, QLinear):

@@ -455,10 +455,11 @@ class DecoderForCausalLM(nn.Module):
             return CausalLMOutput(logits=self.lm_head(h) if self.vocab is None else self.vocab_parallel_logits(h))
         if self.vocab is not None:
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
-        if isinstance(self.lm_head, QLinear):
-            raise ValueError("the fused loss needs a float LM head: load the model without --quant_lm_head to train")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
+        if isinstance(self.lm_head, QLinear):  # a packed head (--quant_lm_head): its logits, then the plain loss
+            logits = self.head_logits(shift_h).float()
+            return CausalLMOutput(loss=torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=-100))
         loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
         return CausalLMOutput(loss=loss)
 
