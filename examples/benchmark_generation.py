@@ -257,6 +257,10 @@ def main():
     args = p.parse_args()
     if args.write_checkpoint:
         return write_checkpoint(args.write_checkpoint, args.shapes.split(",")[0])
+    if args.quant_lm_head and (args.tp > 1 or not args.quant):
+        why = "quantized weights with tensor parallelism are not supported yet" if args.quant else "needs --quant"
+        print(f"benchmark_generation.py: error: --quant_lm_head: {why}", file=sys.stderr)
+        sys.exit(2)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

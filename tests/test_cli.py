@@ -127,7 +127,8 @@ def test_builtin_paris_end_to_end(tmp_path, tokenizer):
         ("--use_cuda_graphs", "--use_cuda_graphs needs device cuda, this run is on cpu: eager steps, no CUDA graphs"),
         (
             "--cuda_graph_prefill",
-            "--cuda_graph_prefill needs device cuda, this run is on cpu: the prompt step runs eagerly",
+            "--cuda_graph_prefill needs device cuda, this run is on cpu: ignored (on Gaudi --use_hpu_graphs graphs the "
+            "prompt step unless --limit_hpu_graphs)",
         ),
     ],
     ids=["hpu_graphs", "cuda_graphs", "cuda_graph_prefill"],

@@ -1,13 +1,19 @@
 """The quantized GEMVs' inline PTX (int4: nibbles to floats by byte permutes, gemv_gptq.py; int8: bytes to floats,
-gemv_scaled.py) assembled for an H100/H200 (sm_90) without a GPU: Triton compiles each kernel as a launch would
-(16-divisible pointers and sizes) down to a cubin with the ptxas it ships. The CPU suite runs these kernels under the
-interpreter, which takes the Triton-arithmetic branch; this is what catches a PTX typo before the GPU does. The GPU
-conformance suite checks the numbers (tests/test_kernels_conformance.py, linear_q:gemv_q on cuda)."""
+gemv_scaled.py) without a GPU. (1) Assembled for an H100/H200 (sm_90): Triton compiles each kernel as a launch would
+(16-divisible pointers and sizes) down to a cubin with the ptxas it ships; a PTX typo fails here. (2) Executed: the
+asm's own instructions (read from the kernel source: shifts, masks, the permute selectors) emulated on random words
+must give the numbers of the Triton-arithmetic branch that the CPU suite runs under the interpreter. The GPU
+conformance suite checks the kernels' results (tests/test_kernels_conformance.py, linear_q:gemv_q on cuda)."""
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +53,63 @@ print("ok")
 
 
 def test_inline_ptx_of_the_quantized_gemvs_assembles_for_sm90():
+    triton = pytest.importorskip("triton")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this Triton ships no ptxas (no NVIDIA backend)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel >> 4 i) & 7 of {b, a} (a = bytes 0-3)."""
+    out = np.zeros_like(a)
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        assert s < 8, "sign-replicating selectors are not used"
+        src = a if s < 4 else b
+        out |= ((src >> np.uint32(8 * (s % 4))) & np.uint32(0xFF)) << np.uint32(8 * i)
+    return out
+
+
+def _asm_of(fn) -> str:
+    return re.search(r'asm="""(.*?)"""', inspect.getsource(fn), re.S).group(1)
+
+
+def test_int4_permutes_give_the_interpreter_branch_numbers():
+    from polyfuse.backends.triton import gemv_gptq
+
+    asm = _asm_of(gemv_gptq._nibbles_f32.fn)
+    words = np.random.default_rng(0).integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    words[:2] = [0, 0xFFFFFFFF]
+    shl, e_mask = re.search(r"shl\.b32 e, \$8, (\d+);\s*and\.b32 e, e, (0x[0-9A-Fa-f]+);", asm).groups()
+    shr, o_mask = re.search(r"shr\.u32 o, \$8, (\d+);\s*and\.b32 o, o, (0x[0-9A-Fa-f]+);", asm).groups()
+    m = np.full_like(words, int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16))
+    regs = {"e": (words << np.uint32(int(shl))) & np.uint32(int(e_mask, 16)),
+            "o": (words >> np.uint32(int(shr))) & np.uint32(int(o_mask, 16))}  # fmt: skip
+    found = re.findall(r"prmt\.b32 \$(\d), (e|o), m, (0x[0-9A-Fa-f]+);", asm)
+    outs = {int(i): _prmt(regs[r], m, int(sel, 16)) for i, r, sel in found}
+    assert sorted(outs) == list(range(8))
+    for i in range(8):  # the interpreter branch: ((w >> 4 i) & 15) << 19 | 0x40000000, i.e. the float 2 + q / 8
+        want = (((words >> np.uint32(4 * i)) & np.uint32(15)) << np.uint32(19)) | np.uint32(0x40000000)
+        assert np.array_equal(outs[i], want), i
+        q = (words >> np.uint32(4 * i)) & np.uint32(15)
+        assert np.array_equal(outs[i].view(np.float32), (2 + q / 8).astype(np.float32))
+
+
+def test_int8_permutes_give_the_interpreter_branch_numbers():
+    from polyfuse.backends.triton import gemv_scaled
+
+    asm = _asm_of(gemv_scaled._int8_to_f32.fn)
+    words = np.random.default_rng(1).integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
+    v = words ^ np.uint32(int(re.search(r"xor\.b32 v, \$4, (0x[0-9A-Fa-f]+);", asm).group(1), 16))
+    m = np.full_like(words, int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16))
+    outs = {
+        int(i): _prmt(v, m, int(sel, 16)) for i, sel in re.findall(r"prmt\.b32 \$(\d), v, m, (0x[0-9A-Fa-f]+);", asm)
+    }
+    assert sorted(outs) == [0, 1, 2, 3]
+    for i in range(4):  # byte i of the packed word, as int8: its float is the bit-cast minus 2^23 + 128
+        q = ((words >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.float32)
+        assert np.array_equal(outs[i].view(np.float32) - np.float32(8388736.0), q), i

@@ -96,3 +96,37 @@ def test_cli_quant_lm_head(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc != 0 and err.strip().splitlines()[-1].startswith("error: --quant_lm_head: give the format"), err
     assert "Traceback" not in err
+
+
+def test_tied_config_with_a_packed_head_loads_untied(tmp_path, caplog):
+    """A checkpoint whose config says tied but which holds a packed lm_head (a GPTQ model with ``lm_head: true`` on a
+    tied model): untied before loading, one warning; as stored the head is the packed one, with --quant none its
+    dequantization, and the embedding keeps its own weights either way."""
+    src = LlamaForCausalLM.from_config(tiny_config(tie_word_embeddings=True, vocab_size=304), seed=5)
+    emb = src.model.embed_tokens.weight.detach().clone()
+    qz.quantize_lm_head_(src, "int8")
+    out = logits(src)
+    packed = qf.dequantize(src.lm_head.quantized_weight(), torch.float32)
+    src.save_pretrained(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING", logger="polyfuse"):
+        stored = LlamaForCausalLM.from_pretrained(str(tmp_path))
+    assert sum("holds a packed lm_head" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(stored.lm_head, QLinear) and torch.equal(stored.model.embed_tokens.weight, emb)
+    assert torch.equal(logits(stored), out)
+    dense = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="none")
+    assert dense.lm_head.weight is not dense.model.embed_tokens.weight and not dense.config.tie_word_embeddings
+    assert torch.equal(dense.lm_head.weight, packed) and torch.equal(dense.model.embed_tokens.weight, emb)
+
+
+def test_quantizing_after_a_generate_drops_the_steppers(tiny_dir):
+    """Graphs captured by an earlier generate() read the float head: quantize_lm_head_ drops the model's steppers."""
+    from polyfuse.engine import generation
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir[0], quant="int8")
+    model.generate(IDS, max_new_tokens=2, ignore_eos=True)
+    assert model in generation._STEPPERS
+    qz.quantize_lm_head_(model)
+    assert model not in generation._STEPPERS

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda_graph_prefill",
         action="store_true",
         help="NVIDIA, with --use_cuda_graphs: capture the prompt step too, once per batch size and prompt length "
-        "(pays when prompts share a length, e.g. with --max_input_tokens; each new length costs a capture)",
+        "(pays when prompts share a length, e.g. with --max_input_tokens; each new length costs a capture, and the "
+        "graphs keep the largest prompt's activations reserved)",
     )
     g.add_argument("--torch_compile", action="store_true", help="torch.compile each op function (not module forwards)")
     g.add_argument(

@@ -12,7 +12,7 @@ DEVICE_FLAGS = {
     "use_hpu_graphs": "no HPU graphs (on NVIDIA use --use_cuda_graphs)",
     "limit_hpu_graphs": "ignored",
     "use_cuda_graphs": "eager steps, no CUDA graphs",
-    "cuda_graph_prefill": "the prompt step runs eagerly",
+    "cuda_graph_prefill": "ignored (on Gaudi --use_hpu_graphs graphs the prompt step unless --limit_hpu_graphs)",
     "flash_attention_recompute": "ignored (Gaudi FusedSDPA option)",
     "flash_attention_causal_mask": "ignored (Gaudi FusedSDPA option); the attention mask is used",
     "flash_attention_fast_softmax": "ignored (Gaudi FusedSDPA option)",

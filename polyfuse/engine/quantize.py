@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from polyfuse.core.errors import CheckpointError
+from polyfuse.engine.generation import forget_steppers
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
@@ -279,6 +280,12 @@ class QuantSetup:
         head = model.get_output_embeddings()
         packed_head = any(f"lm_head.{c}" in self.ckpt.keys for c in ("qweight", "weight_scale"))
         extra = [("lm_head", head)] if packed_head else []  # --quant none: staged, dequantized into the float head
+        if packed_head and model.config.tie_word_embeddings:  # the checkpoint's head is its own: untie before loading
+            logger.warning("warning: tie_word_embeddings is true but the checkpoint holds a packed lm_head; untying "
+                           "them (the head keeps its own weights, the embedding its own)")  # fmt: skip
+            model.config.tie_word_embeddings = False
+            w = head.weight
+            head.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device), w.requires_grad)
         for name, lin in _candidates(model) + extra:
             parts = _parts(model, name, lin.out_features)
             fmt, group, why = self._module_format(name, lin, parts)
@@ -503,6 +510,7 @@ def quantize_model_(model, fmt: str) -> None:
         logger.warning("warning: --quant %s: %s: keep the run's dtype (%d projection(s): %s)", fmt, why, len(names),
                        ", ".join(names))  # fmt: skip
     finalize(model)
+    forget_steppers(model)  # graphs captured before read the float weights
 
 
 @torch.no_grad()
@@ -528,21 +536,28 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
         raise ValueError(f"--quant_lm_head: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
     if getattr(model, "vocab", None) is not None:
         raise ValueError("--quant_lm_head: quantized weights with tensor parallelism are not supported yet")
+    groups = {q.group_size for q in quantized_modules(model).values() if q.format == fmt and q.group_size}
+    group = groups.pop() if len(groups) == 1 else INT4_GROUP  # the projections' group: a GPTQ save stays GPTQ
     w = head.weight
     why = cannot_pack(fmt, w.shape[1], (w.shape[0],))
     if why:
         logger.warning("warning: --quant_lm_head %s: %s: the LM head keeps the run's dtype", fmt, why)
         return False
     with torch.device(w.device):
-        q = QLinear(w.shape[1], w.shape[0], fmt, head.bias is not None, w.dtype, INT4_GROUP)
+        q = QLinear(w.shape[1], w.shape[0], fmt, head.bias is not None, w.dtype, group)
     q.hf_parts = [("lm_head", w.shape[0])]
-    for buf, value in quantize_components(fmt, w, INT4_GROUP).items():
+    for buf, value in quantize_components(fmt, w, group).items():
         q._buffers[buf].copy_(value)
     if head.bias is not None:
         q.bias.data.copy_(head.bias)
     model.config.tie_word_embeddings = False
     model.lm_head = q
     finalize(model)
+    forget_steppers(model)  # graphs captured before read the float head
+    kernels = getattr(model, "kernels", None)
+    if kernels is not None and kernels.choices["linear_q"].implementation.name == "native":
+        logger.warning("warning: --quant_lm_head: no quantized matmul kernel on %s: the head is dequantized at every "
+                       "call (slower than keeping it in %s)", model.device.type, _name(model.dtype))  # fmt: skip
     return True
 
 

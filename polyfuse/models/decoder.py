@@ -457,8 +457,8 @@ class DecoderForCausalLM(nn.Module):
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
-        if isinstance(self.lm_head, QLinear):  # a packed head (--quant_lm_head): its logits, then the plain loss
-            logits = self.head_logits(shift_h).float()
+        if isinstance(self.lm_head, QLinear):  # a packed head (--quant_lm_head): float32 logits, then the plain loss
+            logits = self.head_logits(shift_h.float())
             return CausalLMOutput(loss=torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=-100))
         loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
         return CausalLMOutput(loss=loss)

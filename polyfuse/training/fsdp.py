@@ -271,6 +271,7 @@ def prepare_zero3(model: nn.Module, args) -> bool:
     from polyfuse.models.decoder import LMHead
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and not isinstance(head, LMHead):  # a patched transformers model reads head.weight directly
-        deepspeed.zero.register_external_parameter(model, head.weight)
+    weight = getattr(head, "weight", None)  # a packed head (--quant_lm_head) holds buffers, no parameter
+    if isinstance(weight, torch.nn.Parameter) and not isinstance(head, LMHead):
+        deepspeed.zero.register_external_parameter(model, weight)  # a patched transformers model reads head.weight
     return True

@@ -84,8 +84,8 @@ TILES = {
 # gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Llama-2-70B (run 24): int8 o 20.14 ->
 # 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55, gate/up 116.65 -> 111.36, down 57.65
 # -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its format tile 512 x 64 is the least
-# summed over both models): 8B o 9.29 at 2 stages, gate/up 31.38 (36.20 with the format tile); 70B qkv 25.46,
-# o 20.79, gate/up 105.53 (122.33), down 57.78 (61.14).
+# summed over both models; the same tile measured 4-9% apart between passes of one call): 8B o 9.29 at 2 stages,
+# gate/up 31.38 (36.20 with the format tile); 70B o 20.79 (23.34), gate/up 105.53 (122.33), down 57.78 (61.14).
 SHAPE_TILES = {
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
@@ -98,7 +98,6 @@ SHAPE_TILES = {
     ("fp8", 8192, 8192): (16, 512, 4, 3),
     ("fp8", 57344, 8192): (8, 2048, 4, 4),
     ("fp8", 8192, 28672): (8, 1024, 4, 3),
-    ("int4", 10240, 8192): (1024, 32, 4, 2),
     ("int4", 8192, 8192): (1024, 32, 8, 3),
     ("int4", 57344, 8192): (2048, 16, 4, 4),
     ("int4", 8192, 28672): (1024, 32, 4, 3),

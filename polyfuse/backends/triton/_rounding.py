@@ -7,11 +7,15 @@ is rounded by hand (bit arithmetic on the fp32 pattern), so both paths give the 
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Inline PTX (the quantized GEMVs' byte permutes) compiles on NVIDIA GPUs only: not under the interpreter (which
+# takes the Triton-arithmetic branch) and not on ROCm, where the Triton backend also runs.
+PTX = not INTERPRET and getattr(torch.version, "hip", None) is None
 _EMULATE_RNE = tl.constexpr(INTERPRET)
 
 

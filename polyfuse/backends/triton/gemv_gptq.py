@@ -23,7 +23,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import dense_rows, load_x, split_buffers, split_k, store_out, tiles_for
-from polyfuse.backends.triton._rounding import INTERPRET
+from polyfuse.backends.triton._rounding import PTX
 
 
 @triton.jit
@@ -31,8 +31,8 @@ def _nibbles_f32(words, ASM: tl.constexpr):
     """The eight nibbles q of each int32 word (weight k8 * 8 + i in bits 4i..4i+3) as the exact float32 2 + q / 8:
     the nibble under the exponent of 2.0 as the top four mantissa bits. ASM: the even and the odd nibbles masked into
     bits 3..6 of each byte (a shift and an and per word each), then one byte permute per weight beside the exponent
-    byte 0x40; no add, no per-nibble mask constant (the kernel takes q x from (2 + q / 8) x once per tile). Else the
-    same numbers in Triton arithmetic (the CPU interpreter)."""
+    byte 0x40; no add, no per-nibble mask constant (the kernel takes q x from (2 + q / 8) x once per group). Else the
+    same numbers in Triton arithmetic (the CPU interpreter, ROCm)."""
     if ASM:
         b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(
             asm="""{
@@ -164,7 +164,7 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=not INTERPRET, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
     return y

@@ -28,14 +28,14 @@ from polyfuse.backends.triton._qgemv import (
     store_out,
     tiles_for,
 )
-from polyfuse.backends.triton._rounding import INTERPRET
+from polyfuse.backends.triton._rounding import PTX
 
 
 @triton.jit
 def _int8_to_f32(w, ASM: tl.constexpr):
     """int8 -> float32 exactly, without the quarter-rate int -> float conversion: the byte offset to unsigned
     (q + 128), placed in the mantissa of 2^23 and bit-cast, minus 2^23 + 128. ASM: one xor per four weights and one
-    byte permute per weight (PTX, on the GPU); else the same in Triton arithmetic (the CPU interpreter)."""
+    byte permute per weight (PTX, on NVIDIA GPUs); else the same in Triton arithmetic (the CPU interpreter, ROCm)."""
     if ASM:
         bits = tl.inline_asm_elementwise(
             asm="""{
@@ -124,6 +124,6 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
         scales.stride(0), per,
         SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), INT8=qw.format == "int8",
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        ASM=not INTERPRET, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        ASM=PTX, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y
