@@ -6,8 +6,9 @@ and the bias; the decoder sends it to the ``linear_q`` ops (``models/decoder.py`
 every ``nn.Linear`` of the model except the LM head (the output embedding, tied to the input embedding or not),
 which keeps the run's dtype unless :func:`quantize_lm_head_` quantizes it after loading (``--quant_lm_head``; the
 embedding stays as it is, a tied head is untied) or the checkpoint holds it packed (AutoGPTQ's ``lm_head: true``,
-polyfuse's ``formats`` naming ``lm_head``). The loader (engine/loading.py) calls :func:`setup` before building, ``apply`` on the
-meta-built model (swaps the projections), ``place`` for every checkpoint tensor and ``finish`` at the end.
+polyfuse's ``formats`` naming ``lm_head``). The loader (engine/loading.py) calls :func:`setup` before building,
+``apply`` on the meta-built model (swaps the projections), ``place`` for every checkpoint tensor and ``finish`` at
+the end.
 
 Where the packed weights come from:
   * ``quant="int8" | "int4" | "fp8" | "fp8_block"``: a float checkpoint (safetensors, or a GGUF dequantized) is
@@ -460,6 +461,29 @@ def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSet
     return QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
 
 
+def _write_part(q: QLinear, start: int, w: torch.Tensor) -> None:
+    """Quantize the float rows ``w`` into ``q``'s buffers from output row ``start`` on (one fused part, or all)."""
+    for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
+        spec, dst = q.spec[buf], q._buffers[buf]
+        if spec.n_dim is not None:
+            dst = dst.narrow(spec.n_dim, start // spec.n_per, w.shape[0] // spec.n_per)
+        dst.copy_(value)
+
+
+def _pack(lin: nn.Linear, fmt: str, parts: list, group: int) -> QLinear:
+    """A QLinear holding ``lin``'s weight quantized part by part (``parts``: [(checkpoint name, rows)]) and its bias."""
+    w = lin.weight
+    with torch.device(w.device):
+        q = QLinear(lin.in_features, lin.out_features, fmt, lin.bias is not None, w.dtype, group,
+                    tuple(s for _, s in parts))  # fmt: skip
+    q.hf_parts = parts
+    for start, (_, size) in zip(_starts(parts), parts):
+        _write_part(q, start, w[start : start + size])
+    if lin.bias is not None:
+        q.bias.data.copy_(lin.bias)
+    return q
+
+
 @torch.no_grad()
 def init_random_(model, generator: torch.Generator, std: float) -> None:
     """Fill every QLinear with random normal(0, std) weights, quantized part by part (no dense copy of the model)."""
@@ -467,11 +491,7 @@ def init_random_(model, generator: torch.Generator, std: float) -> None:
         start = 0
         for size in q.parts:
             w = torch.empty(size, q.in_features, device=q.qweight.device).normal_(0.0, std, generator=generator)
-            for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
-                spec, dst = q.spec[buf], q._buffers[buf]
-                if spec.n_dim is not None:
-                    dst = dst.narrow(spec.n_dim, start // spec.n_per, size // spec.n_per)
-                dst.copy_(value)
+            _write_part(q, start, w)
             start += size
     finalize(model)
 
@@ -490,22 +510,7 @@ def quantize_model_(model, fmt: str) -> None:
         if why:
             skipped.setdefault(why, []).append(name)
             continue
-        w = lin.weight
-        with torch.device(w.device):
-            q = QLinear(lin.in_features, lin.out_features, fmt, lin.bias is not None, w.dtype, INT4_GROUP,
-                        tuple(s for _, s in parts))  # fmt: skip
-        q.hf_parts = parts
-        start = 0
-        for _, size in parts:
-            for buf, value in quantize_components(fmt, w[start : start + size], INT4_GROUP).items():
-                spec, dst = q.spec[buf], q._buffers[buf]
-                if spec.n_dim is not None:
-                    dst = dst.narrow(spec.n_dim, start // spec.n_per, size // spec.n_per)
-                dst.copy_(value)
-            start += size
-        if lin.bias is not None:
-            q.bias.data.copy_(lin.bias)
-        _set_module(model, name, q)
+        _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP))
     for why, names in skipped.items():
         logger.warning("warning: --quant %s: %s: keep the run's dtype (%d projection(s): %s)", fmt, why, len(names),
                        ", ".join(names))  # fmt: skip
@@ -519,8 +524,9 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
     projections share. A tied head is untied first (the input embedding stays as it is; ``tie_word_embeddings``
     becomes false, so a save writes both and loads back without re-quantizing). A head the format cannot pack keeps
     its dtype (one warning). Returns whether the head is quantized. With labels the model's loss comes from the
-    packed head's logits (plain cross-entropy, as for perplexity), not from the fused float-head loss. Decode reads the head once per token (128256 x 4096 for Llama 3: 1.05 GB in bf16), so the one-row
-    GEMV on a packed head saves ~5% of an 8B fp8 token (docs/quantization.md)."""
+    packed head's logits (plain cross-entropy, as for perplexity), not from the fused float-head loss. Decode reads
+    the head once per token (128256 x 4096 for Llama 3: 1.05 GB in bf16), so the one-row GEMV on a packed head saves
+    ~5% of an 8B fp8 token (docs/quantization.md)."""
     head = model.get_output_embeddings()
     if isinstance(head, QLinear):
         return True
@@ -538,20 +544,12 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
         raise ValueError("--quant_lm_head: quantized weights with tensor parallelism are not supported yet")
     groups = {q.group_size for q in quantized_modules(model).values() if q.format == fmt and q.group_size}
     group = groups.pop() if len(groups) == 1 else INT4_GROUP  # the projections' group: a GPTQ save stays GPTQ
-    w = head.weight
-    why = cannot_pack(fmt, w.shape[1], (w.shape[0],))
+    why = cannot_pack(fmt, head.in_features, (head.out_features,))
     if why:
         logger.warning("warning: --quant_lm_head %s: %s: the LM head keeps the run's dtype", fmt, why)
         return False
-    with torch.device(w.device):
-        q = QLinear(w.shape[1], w.shape[0], fmt, head.bias is not None, w.dtype, group)
-    q.hf_parts = [("lm_head", w.shape[0])]
-    for buf, value in quantize_components(fmt, w, group).items():
-        q._buffers[buf].copy_(value)
-    if head.bias is not None:
-        q.bias.data.copy_(head.bias)
     model.config.tie_word_embeddings = False
-    model.lm_head = q
+    model.lm_head = _pack(head, fmt, [("lm_head", head.out_features)], group)
     finalize(model)
     forget_steppers(model)  # graphs captured before read the float head
     kernels = getattr(model, "kernels", None)
