@@ -199,16 +199,37 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def profile_step(model, opt, args, seq: int, batch: int, title: str) -> None:
-    """GPU time per kernel over one training step (after the timed ones)."""
+# Kernel names by kind, for --profile's summary line: cuBLAS / CUTLASS matrix products (on Hopper cuBLAS's own
+# kernels are named nvjet_*), attention (flash / SDPA / polyfuse's Triton attention); everything else is "other".
+KERNEL_KINDS = (("matmul", ("nvjet", "gemm", "xmma", "cutlass", "cublas")), ("attention", ("flash", "fmha", "attn")))
+
+
+def kernel_kinds(events) -> dict:
+    """GPU milliseconds of one profiled step by kind of kernel (``KERNEL_KINDS``; the rest under "other")."""
+    out = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for e in events:
+        ms = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) / 1e3
+        name = e.key.lower()
+        out[next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "other")] += ms
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def profile_step(model, opt, args, seq: int, batch: int, title: str) -> dict:
+    """GPU time per kernel over one training step (after the timed ones); returns its kernel_kinds summary."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=args.device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step(model, opt, ids)
         sync(torch.device(args.device))
+    events = prof.key_averages()
+    kinds = kernel_kinds(events)
     print(f"profile: {title}", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70), flush=True)
+    print(events.table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70), flush=True)
+    total = sum(kinds.values())
+    print(f"profile: {title}: GPU time {total:.1f} ms = " + ", ".join(
+        f"{k} {v:.1f} ms ({100 * v / max(total, 1e-9):.0f}%)" for k, v in kinds.items()), flush=True)  # fmt: skip
+    return kinds
 
 
 def memory_peak_step(model, opt, args, seq: int, batch: int, title: str) -> str:
@@ -408,7 +429,9 @@ def main(argv=None) -> int:
                 print(json.dumps(case), flush=True)
                 write(results, args.output)
                 if args.profile and not oom and device.type == "cuda":
-                    profile_step(model, opt, args, seq, batch, f"{shape} {variant} batch {batch} seq {seq}")
+                    title = f"{shape} {variant} batch {batch} seq {seq}"
+                    case["profile_ms"] = profile_step(model, opt, args, seq, batch, title)
+                    write(results, args.output)
                 if args.memory_peak and not oom and device.type == "cuda":
                     case["memory_peak"] = memory_peak_step(
                         model, opt, args, seq, batch, f"{shape} {variant} batch {batch} seq {seq}"

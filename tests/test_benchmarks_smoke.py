@@ -111,3 +111,20 @@ def test_benchmark_lora_tiny(tmp_path):
     assert [(r["seq"], r["batch"]) for r in res["ratios"]] == [(32, 1), (32, 2)]
     assert all(r["tokens_per_s_ratio"] > 0 and r["peak_mem_ratio"] is None for r in res["ratios"])
     assert "ratio tiny LoRA seq 32 batch 2: polyfuse/transformers tokens/s" in proc.stdout
+
+
+def test_profile_summary_sorts_kernels_by_kind():
+    """benchmark_training.py --profile's summary: cuBLAS's Hopper kernels (nvjet_*), CUTLASS / xmma GEMMs, flash and
+    Triton attention, and the rest, each kernel's GPU time counted once under its kind."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = os.path.join(ROOT, "examples", "benchmark_training.py")
+    spec = importlib.util.spec_from_file_location("benchmark_training_kinds", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    events = [SimpleNamespace(key=k, device_time_total=us) for k, us in (
+        ("nvjet_tst_192x192_64x4_1x2_h_bz_coopA_TNT", 5000.0), ("sm90_xmma_gemm_bf16bf16_bf16f32", 2500.0),
+        ("cutlass3x_sm90_tensorop_gemm", 500.0), ("flash_fwd_kernel", 1500.0), ("_attn_bwd_dkdv", 250.0),
+        ("_rms_norm_fwd_kernel", 750.0), ("void at::native::vectorized_elementwise_kernel", 125.0))]  # fmt: skip
+    assert bench.kernel_kinds(events) == {"matmul": 8.0, "attention": 1.75, "other": 0.88}
