@@ -198,8 +198,9 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
 
 
 def test_scaled_mm_fast_accumulation_switch(monkeypatch):
-    """torch._scaled_mm gets use_fast_accum on GPUs (ops/quant_linear.py), not with POLYFUSE_FP8_FAST_ACCUM=0 (read
-    at import: FAST_ACCUM), never on the CPU; scaled_mm_rows passes what fast_accum says for its operands' device."""
+    """torch._scaled_mm gets use_fast_accum on GPUs only with POLYFUSE_FP8_FAST_ACCUM=1 (ops/quant_linear.py, read at
+    import: FAST_ACCUM; off by default), never on the CPU; scaled_mm_rows passes what fast_accum says for its
+    operands' device."""
     from polyfuse.ops import quant_linear as ql
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
@@ -214,9 +215,12 @@ def test_scaled_mm_fast_accumulation_switch(monkeypatch):
     qw = quantized("fp8", 48, 96, "cpu")
     ql.scaled_mm_rows(torch.zeros(2, 96).to(torch.float8_e4m3fn), torch.ones(2, 1), qw, torch.zeros(2, 96))
     assert seen == [cpu, "flag"]
-    r = subprocess.run([sys.executable, "-c", "from polyfuse.ops import quant_linear as q; print(q.FAST_ACCUM)"],
-                       env=dict(os.environ, POLYFUSE_FP8_FAST_ACCUM="0"), capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.stdout.strip() == "False", r.stderr[-2000:]
+    code = "from polyfuse.ops import quant_linear as q; print(q.FAST_ACCUM)"
+    env = {k: v for k, v in os.environ.items() if k != "POLYFUSE_FP8_FAST_ACCUM"}
+    for value, want in ((None, "False"), ("0", "False"), ("1", "True")):
+        run_env = env if value is None else dict(env, POLYFUSE_FP8_FAST_ACCUM=value)
+        r = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
+        assert r.stdout.strip() == want, (value, r.stderr[-2000:])
 
 
 def test_triton_fp8_row_quantization_is_torchs():
