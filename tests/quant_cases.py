@@ -8,6 +8,7 @@ act-order g_idx; fp8 with N a multiple of 16 so ``torch._scaled_mm`` takes bf16 
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,16 +23,25 @@ def act_order(qw):
     return dataclasses.replace(qw, g_idx=qw.g_idx[perm].contiguous(), act_order=True)
 
 
-def quantized(fmt: str, n: int, k: int, device, seed: int = 0):
+@functools.lru_cache(maxsize=None)
+def _quantized_on_host(fmt: str, n: int, k: int, seed: int):
+    """The packed weight, quantized once per session on the CPU: every conformance test of a quantized op builds the
+    cases of every format, and on a GPU those are up to 14336 x 4096 weights (the GGUF ones by the gguf package's
+    numpy code), which took most of the CUDA suite's time when each test quantized them again."""
     gen = torch.Generator().manual_seed(seed + n + k)
     w = torch.randn(n, k, generator=gen) * 0.05
     qw = quantize(fmt.replace("_act", ""), w)
-    if fmt == "int4_act":
-        qw = act_order(qw)
+    return act_order(qw) if fmt == "int4_act" else qw
+
+
+def quantized(fmt: str, n: int, k: int, device, seed: int = 0):
+    """A random [n, k] weight quantized to ``fmt`` (``int4_act``: int4 with an act-order g_idx) on ``device``; a copy
+    of the session's cached one, so a test may change its tensors."""
+    qw = _quantized_on_host(fmt, n, k, seed)
     moved = {
         f.name: getattr(qw, f.name) for f in dataclasses.fields(qw) if isinstance(getattr(qw, f.name), torch.Tensor)
     }
-    return dataclasses.replace(qw, **{name: t.to(device) for name, t in moved.items()})
+    return dataclasses.replace(qw, **{name: t.to(device, copy=True) for name, t in moved.items()})
 
 
 CASE_FORMATS = (*FORMATS, "int4_act")
