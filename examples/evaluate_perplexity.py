@@ -8,8 +8,10 @@
 
 --quant takes run_generation.py's values (none: every weight dequantized/float; gguf: a GGUF's Q8_0/Q4_0/Q4_1
 tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load); a value ending in
-"+lm_head" (fp8+lm_head, ...) also quantizes the LM head, as run_generation.py's --quant_lm_head. The first entry
-is the baseline the others are compared with. The default text is the Declaration of Independence (public domain,
+"+lm_head" (fp8+lm_head, ...) also quantizes the LM head, as run_generation.py's --quant_lm_head; "+gptq" (int4+gptq,
+int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
+scored text's tokens after --max_tokens, which are not scored). The first entry is the baseline the others are
+compared with. The default text is the Declaration of Independence (public domain,
 examples/data/declaration_of_independence.txt).
 """
 
@@ -26,7 +28,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
-from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_  # noqa: E402
+from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
 
 
 DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independence.txt")
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="auto", help="comma list of formats to evaluate, the first is the baseline")
     p.add_argument("--context", type=int, default=512, help="tokens per window (non-overlapping)")
     p.add_argument("--max_tokens", type=int, default=0, help=">0: score only the first tokens of the text")
+    p.add_argument("--calibration_text", default=None, help="+gptq: a UTF-8 text file to calibrate on (see above)")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--output", default=None, help="append one JSON line per format here")
@@ -57,19 +60,37 @@ def main(argv=None) -> int:
         ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
     windows = token_windows(ids, args.context, args.max_tokens)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    quants = args.quant.split(",")
+    calibration = None
+    if any("+gptq" in q for q in quants):
+        if args.calibration_text:
+            with open(args.calibration_text, encoding="utf-8") as f:
+                cal_ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
+        else:
+            cal_ids = ids[args.max_tokens :] if args.max_tokens > 0 else ids[:0]
+        calibration = token_windows(cal_ids, args.context)
+        if not calibration:
+            print("evaluate_perplexity.py: error: +gptq needs calibration tokens: give --calibration_text, or "
+                  "--max_tokens below the text's length", file=sys.stderr)  # fmt: skip
+            return 2
     base = None
-    for quant in args.quant.split(","):
+    for quant in quants:
         t0 = time.perf_counter()
         fmt, head = quant.removesuffix("+lm_head"), quant.endswith("+lm_head")
+        fmt, gptq = fmt.removesuffix("+gptq"), fmt.endswith("+gptq")
         model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf, dtype=dtype, device=args.device, quant=None if fmt == "auto" else fmt
-        )
+            path, gguf_file=gguf, dtype=dtype, device=args.device,
+            quant="none" if gptq else None if fmt == "auto" else fmt,
+        )  # fmt: skip
+        if gptq:  # the float model first: its projections' inputs on the calibration tokens
+            quantize_model_(model, fmt, calibration)
         if head:  # run_generation.py's --quant_lm_head
             quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, n = perplexity(model, windows)
         row = {"quant": quant, "perplexity": ppl, "tokens": n, "context": args.context, "dtype": str(dtype)[6:],
+               "calibration_tokens": sum(len(w) for w in calibration) if gptq else 0,
                "device": args.device, "load_s": round(load_s, 2), "eval_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
         base = ppl if base is None else base
         row["vs_first"] = ppl / base - 1.0

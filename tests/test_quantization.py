@@ -659,6 +659,29 @@ def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
     assert 0 <= ppl / baseline - 1 < BOUNDS[fmt], (fmt, ppl, baseline)
 
 
+# GPTQ (engine/gptq.py) calibrated on the text's tokens after the 1024 scored ones (679 tokens, 2 windows), same
+# scoring: fp8 19.652 (-0.32%), int8 19.799 (+0.43%); int4 38.93 (+97%, worse than round to nearest's +63% on this
+# already-4-bit model, docs/quantization.md). Bounds: fp8 within the issue's 1%, int8 below its round-to-nearest's.
+GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063}
+
+
+@pytest.mark.parametrize("fmt", list(GPTQ_BOUNDS))
+def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
+    from polyfuse.bench.perplexity import perplexity, token_windows
+    from polyfuse.engine.tokenizer import load_tokenizer
+
+    path, gguf, windows, dense = builtin
+    with open(TEXT, encoding="utf-8") as f:
+        ids = torch.tensor(load_tokenizer(path, gguf)(f.read(), add_special_tokens=False).input_ids)
+    calibration = token_windows(ids[1024:], 512)  # not scored: the scored windows are the first 1024 tokens
+    assert sum(len(w) for w in calibration) == 679
+    model = copy.deepcopy(dense)
+    qz.quantize_model_(model, fmt, calibration)
+    assert len(qz.quantized_modules(model)) == 120
+    ppl, _ = perplexity(model, windows)
+    assert abs(ppl / baseline - 1) < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
+
+
 def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     """--quant_lm_head int8 on the built-in model (its head is the tied 49152 x 576 embedding): the loss through the
     packed head's logits; measured on these windows +0.77% against +0.63% with the head in float (docs/quantization.md)."""

@@ -59,6 +59,8 @@ def validate(args) -> None:
         raise UsageError(f"--top_k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if getattr(args, "quant_calibration", None) and args.quant not in ("int4", "int8", "fp8"):
+        raise UsageError("--quant_calibration: GPTQ needs --quant int4, int8 or fp8")
 
 
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
@@ -304,17 +306,44 @@ def load(args, device, flags):
 
     path, gguf = resolve_checkpoint(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    calibration = getattr(args, "quant_calibration", None)
+    calibration_text = read_calibration_text(calibration) if calibration else None
+    quant = "none" if calibration else getattr(args, "quant", None)  # GPTQ starts from the float model
     with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
         model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops,
-            quant=getattr(args, "quant", None), **progress,
+            path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
+            **progress,
         )  # fmt: skip
+    tokenizer = None
+    if calibration:
+        from polyfuse.bench.perplexity import token_windows
+        from polyfuse.engine.quantize import quantize_model_
+
+        tokenizer = load_cli_tokenizer(args, path, gguf)
+        ids = torch.tensor(tokenizer(calibration_text, add_special_tokens=False).input_ids)
+        windows = token_windows(ids, 512)[:64]
+        if not windows:
+            raise UsageError(f"--quant_calibration {calibration}: the text has no tokens")
+        quantize_model_(model, args.quant, windows)
     if getattr(args, "quant_lm_head", False):
         from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
         quantize_lm_head_(model, args.quant if args.quant in LOAD_TIME_FORMATS else None)
     model.eval()
-    return model, load_cli_tokenizer(args, path, gguf)
+    return model, tokenizer or load_cli_tokenizer(args, path, gguf)
+
+
+def read_calibration_text(path: str) -> str:
+    """--quant_calibration's text, read before the model is loaded (a bad path fails fast)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UsageError(f"--quant_calibration {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--quant_calibration {path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise UsageError(f"--quant_calibration {path}: cannot read it ({e.strerror or e})") from None
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:

@@ -26,6 +26,7 @@ Where the packed weights come from:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from torch import nn
 
 from polyfuse.core.errors import CheckpointError
 from polyfuse.engine.generation import forget_steppers
+from polyfuse.engine.gptq import GPTQ_FORMATS, gptq_components, record_hessians
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
@@ -461,16 +463,17 @@ def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSet
     return QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
 
 
-def _write_part(q: QLinear, start: int, w: torch.Tensor) -> None:
-    """Quantize the float rows ``w`` into ``q``'s buffers from output row ``start`` on (one fused part, or all)."""
-    for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
+def _write_part(q: QLinear, start: int, w: torch.Tensor, quantize=quantize_components) -> None:
+    """Quantize the float rows ``w`` into ``q``'s buffers from output row ``start`` on (one fused part, or all);
+    ``quantize(fmt, w, group_size)`` gives the buffers (round to nearest, or GPTQ's)."""
+    for buf, value in quantize(q.format, w, q.group_size or INT4_GROUP).items():
         spec, dst = q.spec[buf], q._buffers[buf]
         if spec.n_dim is not None:
             dst = dst.narrow(spec.n_dim, start // spec.n_per, w.shape[0] // spec.n_per)
         dst.copy_(value)
 
 
-def _pack(lin: nn.Linear, fmt: str, parts: list, group: int) -> QLinear:
+def _pack(lin: nn.Linear, fmt: str, parts: list, group: int, quantize=quantize_components) -> QLinear:
     """A QLinear holding ``lin``'s weight quantized part by part (``parts``: [(checkpoint name, rows)]) and its bias."""
     w = lin.weight
     with torch.device(w.device):
@@ -478,7 +481,7 @@ def _pack(lin: nn.Linear, fmt: str, parts: list, group: int) -> QLinear:
                     tuple(s for _, s in parts))  # fmt: skip
     q.hf_parts = parts
     for start, (_, size) in zip(_starts(parts), parts):
-        _write_part(q, start, w[start : start + size])
+        _write_part(q, start, w[start : start + size], quantize)
     if lin.bias is not None:
         q.bias.data.copy_(lin.bias)
     return q
@@ -497,25 +500,49 @@ def init_random_(model, generator: torch.Generator, std: float) -> None:
 
 
 @torch.no_grad()
-def quantize_model_(model, fmt: str) -> None:
+def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None:
     """Quantize a built float model's projections in place (what ``from_pretrained(quant=fmt)`` does while loading,
     for a model already in memory): each fused part on its own, shapes the format cannot pack left as they are
-    (one warning naming them)."""
+    (one warning naming them). With ``calibration`` (token windows: 1-D or [B, L] LongTensors) int4 / int8 / fp8
+    are quantized by GPTQ (engine/gptq.py) with the inputs the float model gives each projection on them, instead
+    of round to nearest; the layout, kernels and checkpoints are the same."""
     if fmt not in LOAD_TIME_FORMATS:
         raise ValueError(f"quantize_model_: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
+    hessians = None
+    if calibration is not None:
+        if fmt not in GPTQ_FORMATS:
+            raise ValueError(f"quantize_model_: GPTQ calibration quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
+        if not calibration:
+            raise ValueError("quantize_model_: calibration holds no token windows")
+        hessians = record_hessians(model, calibration, {lin.weight.data_ptr(): n for n, lin in _candidates(model)})
     skipped: dict = {}
+    unreached = []
     for name, lin in _candidates(model):
         parts = _parts(model, name, lin.out_features)
         why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
         if why:
             skipped.setdefault(why, []).append(name)
             continue
-        _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP))
+        quantize = quantize_components
+        if hessians is not None:
+            if lin.weight.data_ptr() in hessians:
+                h, tokens = hessians[lin.weight.data_ptr()]
+                quantize = functools.partial(_gptq, h=h, tokens=tokens)
+            else:  # the calibration forward never called it
+                unreached.append(name)
+        _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP, quantize))
+    if unreached:
+        logger.warning("warning: --quant %s: GPTQ: no calibration input reached %d projection(s), rounded to nearest: "
+                       "%s", fmt, len(unreached), ", ".join(unreached))  # fmt: skip
     for why, names in skipped.items():
         logger.warning("warning: --quant %s: %s: keep the run's dtype (%d projection(s): %s)", fmt, why, len(names),
                        ", ".join(names))  # fmt: skip
     finalize(model)
     forget_steppers(model)  # graphs captured before read the float weights
+
+
+def _gptq(fmt: str, w: torch.Tensor, group_size: int, h: torch.Tensor, tokens: int) -> dict:
+    return gptq_components(fmt, w, h, group_size, tokens)
 
 
 @torch.no_grad()

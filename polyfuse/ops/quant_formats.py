@@ -196,13 +196,9 @@ def pack_int4(q: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch
     return pack(q.t()).t().contiguous(), pack((zeros - 1) & 15).contiguous()
 
 
-def _quantize_int4(w: torch.Tensor, group_size: int) -> dict:
-    """Round-to-nearest asymmetric int4 per group of ``group_size`` along K, the range always holding 0 (GPTQ's
-    convention); a last partial group is quantized over its own weights."""
-    n, k = w.shape
-    g = math.ceil(k / group_size)
-    padded = torch.nn.functional.pad(w, (0, g * group_size - k))  # zeros: inside every range anyway
-    groups = padded.view(n, g, group_size)
+def int4_group_params(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float16 scales, float zeros in 1..15) of float32 weight groups [N, G, size]: the range always holds 0 (GPTQ's
+    convention), q = round(w / scale) + zero."""
     wmin = groups.amin(-1).clamp(max=0.0)
     wmax = groups.amax(-1).clamp(min=0.0)
     scale = (wmax - wmin) / 15.0
@@ -214,7 +210,17 @@ def _quantize_int4(w: torch.Tensor, group_size: int) -> dict:
     low = zero < 1
     scale = torch.where(low & ~empty, wmax / 14.0, scale)
     zero = torch.where(low, torch.ones_like(zero), zero).clamp(max=15)
-    scale16 = scale.half()
+    return scale.half(), zero
+
+
+def _quantize_int4(w: torch.Tensor, group_size: int) -> dict:
+    """Round-to-nearest asymmetric int4 per group of ``group_size`` along K, the range always holding 0 (GPTQ's
+    convention); a last partial group is quantized over its own weights."""
+    n, k = w.shape
+    g = math.ceil(k / group_size)
+    padded = torch.nn.functional.pad(w, (0, g * group_size - k))  # zeros: inside every range anyway
+    groups = padded.view(n, g, group_size)
+    scale16, zero = int4_group_params(groups)
     q = torch.clamp(torch.round(groups / scale16.float()[..., None]) + zero[..., None], 0, 15)
     q = q.view(n, g * group_size)[:, :k].to(torch.int32)
     qweight, qzeros = pack_int4(q.t(), zero.t().to(torch.int32))
@@ -227,8 +233,15 @@ INT8_CLIPS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.82, 0.8)
 
 
 def _quantize_int8(w: torch.Tensor) -> dict:
-    """Symmetric int8 per output channel, round to nearest; each row's range is the clipping of its largest
-    magnitude (INT8_CLIPS) with the least squared error (a few outliers rounded coarsely, the rest finer)."""
+    """Symmetric int8 per output channel, round to nearest, with ``int8_row_scales``."""
+    scale = int8_row_scales(w)
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+    return {"qweight": q, "scales": scale}
+
+
+def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
+    """Each row's int8 scale: the clipping of its largest magnitude (INT8_CLIPS) with the least squared
+    round-to-nearest error (a few outliers rounded coarsely, the rest finer)."""
     amax = w.abs().amax(-1)
     best_err = torch.full_like(amax, float("inf"))
     best_scale = amax.clone()
@@ -239,8 +252,7 @@ def _quantize_int8(w: torch.Tensor) -> dict:
         err = t.round_().clamp_(-127, 127).mul_(scale).sub_(w).square_().sum(-1)
         better = err < best_err  # ties keep the larger range
         best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale[:, 0], best_scale)
-    q = torch.clamp(torch.round(w / best_scale[:, None]), -127, 127).to(torch.int8)
-    return {"qweight": q, "scales": best_scale}
+    return best_scale
 
 
 # Rows quantized at a time (about this many weights): on the CPU a chunk's temporaries stay in cache (int8's clipping
