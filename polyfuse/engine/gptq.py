@@ -33,15 +33,16 @@ BLOCK = 128
 
 @torch.no_grad()
 def record_hessians(model, windows: list[torch.Tensor], weights: dict) -> dict:
-    """{weight data_ptr: (H [K, K] float64, tokens)} for the projections whose weights ``weights`` maps (data_ptr ->
-    anything), from a forward of the float ``model`` over each token window [L] (or [B, L])."""
+    """{weight data_ptr: (H [K, K] float32 on the model's device, tokens)} for the projections whose weights
+    ``weights`` maps (data_ptr -> anything), from a forward of the float ``model`` over each token window [L] (or
+    [B, L]). Every projection's H is held at once: K x K float32 each (Llama-3-8B: about 33 GB)."""
     found: dict = {}
 
     def add(x: torch.Tensor, weight: torch.Tensor) -> None:
         key = weight.data_ptr()
         if key not in weights:
             return
-        x2 = x.detach().reshape(-1, x.shape[-1]).double()
+        x2 = x.detach().reshape(-1, x.shape[-1]).float()
         h, n = found.get(key, (None, 0))
         h = x2.t() @ x2 if h is None else h.addmm_(x2.t(), x2)
         found[key] = (h, n + x2.shape[0])
@@ -85,7 +86,7 @@ def _inverse_hessian_factor(h: torch.Tensor, w: torch.Tensor, damp: float) -> to
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    idx = torch.arange(h.shape[0])
+    idx = torch.arange(h.shape[0], device=h.device)
     h[idx, idx] += damp * torch.diagonal(h).mean()
     inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
     return torch.linalg.cholesky(inv, upper=True)
@@ -108,15 +109,14 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
     x x^T over ``tokens`` calibration inputs (0: many, AutoGPTQ's 1% dampening)."""
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
-    device = w.device
-    w = w.detach().double().cpu().clone()
+    w = w.detach().double().clone()  # on w's device: the column loop is many small ops (a GPU's, where it is)
     n, k = w.shape
-    u = _inverse_hessian_factor(h.double().cpu(), w, dampening(k, tokens) if tokens else DAMP)
+    u = _inverse_hessian_factor(h.to(w.device, torch.float64), w, dampening(k, tokens) if tokens else DAMP)
     g = min(group_size, k) if fmt == "int4" else k
     if fmt == "int4":
-        q_int = torch.zeros(n, k, dtype=torch.int32)
-        scales = torch.zeros(math.ceil(k / g), n, dtype=torch.float16)
-        zeros = torch.zeros(math.ceil(k / g), n, dtype=torch.int32)
+        q_int = torch.zeros(n, k, dtype=torch.int32, device=w.device)
+        scales = torch.zeros(math.ceil(k / g), n, dtype=torch.float16, device=w.device)
+        zeros = torch.zeros(math.ceil(k / g), n, dtype=torch.int32, device=w.device)
     else:
         rnd, scale = _rounder(fmt, w.float())
     block = g if g < k else BLOCK  # int4 groups start at block starts
@@ -145,10 +145,10 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
         w[:, b1:] -= errs @ u[b0:b1, b1:]
     if fmt == "int4":
         qweight, qzeros = pack_int4(q_int.t(), zeros)
-        g_idx = torch.arange(k, dtype=torch.int32) // g
+        g_idx = torch.arange(k, dtype=torch.int32, device=w.device) // g
         parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
     elif fmt == "int8":
         parts = {"qweight": torch.round(out / scale[:, None]).clamp(-127, 127).to(torch.int8), "scales": scale}
     else:
         parts = {"qweight": (out / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).float().to(FP8), "scales": scale}
-    return {name: t.to(device) for name, t in parts.items()}
+    return parts
