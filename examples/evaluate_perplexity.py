@@ -64,8 +64,12 @@ def main(argv=None) -> int:
     calibration = None
     if any("+gptq" in q for q in quants):
         if args.calibration_text:
-            with open(args.calibration_text, encoding="utf-8") as f:
-                cal_ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
+            try:
+                with open(args.calibration_text, encoding="utf-8") as f:
+                    cal_ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
+            except (OSError, UnicodeDecodeError) as e:
+                print(f"evaluate_perplexity.py: error: --calibration_text: {e}", file=sys.stderr)
+                return 2
         else:
             cal_ids = ids[args.max_tokens :] if args.max_tokens > 0 else ids[:0]
         calibration = token_windows(cal_ids, args.context)
@@ -76,8 +80,11 @@ def main(argv=None) -> int:
     base = None
     for quant in quants:
         t0 = time.perf_counter()
-        fmt, head = quant.removesuffix("+lm_head"), quant.endswith("+lm_head")
-        fmt, gptq = fmt.removesuffix("+gptq"), fmt.endswith("+gptq")
+        fmt, *suffixes = quant.split("+")
+        head, gptq = "lm_head" in suffixes, "gptq" in suffixes
+        if set(suffixes) - {"lm_head", "gptq"}:
+            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq and +lm_head", file=sys.stderr)
+            return 2
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=args.device,
             quant="none" if gptq else None if fmt == "auto" else fmt,

@@ -96,8 +96,9 @@ def test_gptq_refuses_formats_it_has_no_rounding_for_and_empty_calibration():
 
 
 def test_cli_quant_calibration(tmp_path, capsys):
-    """run_generation.py --quant_calibration: one error line without a GPTQ format or with an unreadable file; with
-    --quant int8 and a text the built-in model's projections are quantized (by GPTQ) and it generates."""
+    """run_generation.py --quant_calibration: one error line without a GPTQ format, with an unreadable file or on an
+    already-quantized checkpoint; with --quant int8 and a text the built-in model's projections are quantized (by
+    GPTQ) and it generates."""
     from polyfuse.cli.generate import main
 
     text = tmp_path / "cal.txt"
@@ -111,6 +112,14 @@ def test_cli_quant_calibration(tmp_path, capsys):
         rc = main(common + extra)
         err = capsys.readouterr().err
         assert rc != 0 and want in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    packed = LlamaForCausalLM.from_config(tiny_config(), dtype=torch.float32, seed=4)
+    quantize_model_(packed, "int8")
+    packed.save_pretrained(str(tmp_path / "int8"))
+    rc = main(["--model_name_or_path", str(tmp_path / "int8"), "--quant", "int8", "--quant_calibration", str(text)])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.strip().splitlines()[-1].endswith("is already quantized; GPTQ needs float weights"), err
     rc = main(common + ["--quant", "int8", "--quant_calibration", str(text), "--print_backends"])
     out = capsys.readouterr().out
     assert rc == 0 and "int8" in out, out[-2000:]

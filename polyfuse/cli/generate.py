@@ -307,43 +307,73 @@ def load(args, device, flags):
     path, gguf = resolve_checkpoint(args)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     calibration = getattr(args, "quant_calibration", None)
-    calibration_text = read_calibration_text(calibration) if calibration else None
+    tokenizer = windows = None
+    if calibration:  # everything about the calibration is checked before the (float) model loads
+        refuse_quantized_checkpoint(path, gguf)
+        tokenizer = load_cli_tokenizer(args, path, gguf)
+        windows = calibration_windows(calibration, tokenizer)
     quant = "none" if calibration else getattr(args, "quant", None)  # GPTQ starts from the float model
     with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
             **progress,
         )  # fmt: skip
-    tokenizer = None
     if calibration:
-        from polyfuse.bench.perplexity import token_windows
-        from polyfuse.engine.quantize import quantize_model_
-
-        tokenizer = load_cli_tokenizer(args, path, gguf)
-        ids = torch.tensor(tokenizer(calibration_text, add_special_tokens=False).input_ids)
-        windows = token_windows(ids, 512)[:64]
-        if not windows:
-            raise UsageError(f"--quant_calibration {calibration}: the text has no tokens")
-        quantize_model_(model, args.quant, windows)
+        gptq_quantize(model, args.quant, windows)
     if getattr(args, "quant_lm_head", False):
         from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
         quantize_lm_head_(model, args.quant if args.quant in LOAD_TIME_FORMATS else None)
     model.eval()
-    return model, tokenizer or load_cli_tokenizer(args, path, gguf)
+    return model, tokenizer if tokenizer is not None else load_cli_tokenizer(args, path, gguf)
 
 
-def read_calibration_text(path: str) -> str:
-    """--quant_calibration's text, read before the model is loaded (a bad path fails fast)."""
+def refuse_quantized_checkpoint(path: str, gguf) -> None:
+    """GPTQ starts from float weights: a checkpoint whose config.json has a quantization_config (AutoGPTQ,
+    compressed-tensors, polyfuse's own) is refused. A GGUF is dequantized first, as --quant does with it."""
+    config = os.path.join(path, "config.json") if path and gguf is None else None
+    if config and os.path.isfile(config):
+        try:
+            with open(config, encoding="utf-8") as f:
+                quantized = "quantization_config" in json.load(f)
+        except (OSError, ValueError):
+            return  # loading reports an unreadable config in its own words
+        if quantized:
+            raise UsageError(f"--quant_calibration: {path} is already quantized; GPTQ needs float weights")
+
+
+def calibration_windows(where: str, tokenizer) -> list:
+    """--quant_calibration's token windows (512 tokens, at most 64), read before the model is loaded: a bad file or
+    an empty text fails fast."""
+    from polyfuse.bench.perplexity import token_windows
+
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(where, encoding="utf-8") as f:
+            text = f.read()
     except FileNotFoundError:
-        raise UsageError(f"--quant_calibration {path}: no such file") from None
+        raise UsageError(f"--quant_calibration {where}: no such file") from None
     except UnicodeDecodeError as e:
-        raise UsageError(f"--quant_calibration {path}: not UTF-8 text ({e.reason})") from None
+        raise UsageError(f"--quant_calibration {where}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
-        raise UsageError(f"--quant_calibration {path}: cannot read it ({e.strerror or e})") from None
+        raise UsageError(f"--quant_calibration {where}: cannot read it ({e.strerror or e})") from None
+    windows = token_windows(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids), 512)[:64]
+    if sum(len(w) for w in windows) < 2:
+        raise UsageError(f"--quant_calibration {where}: the text has too few tokens")
+    return windows
+
+
+def gptq_quantize(model, fmt: str, windows: list) -> None:
+    """quantize_model_ with GPTQ; a Hessian that cannot be factored or memory that runs out is one error line."""
+    from polyfuse.engine.quantize import quantize_model_
+
+    try:
+        quantize_model_(model, fmt, windows)
+    except torch.linalg.LinAlgError as e:
+        raise UsageError(f"--quant_calibration: GPTQ could not factor a projection's input Hessian ({e}); the "
+                         "calibration text's activations may hold inf/NaN (try without --bf16)") from None  # fmt: skip
+    except torch.OutOfMemoryError:
+        raise UsageError("--quant_calibration: out of memory during GPTQ: every projection's K x K float32 input "
+                         "Hessian is held at once beside the float model (Llama-3-8B: about 33 GB)") from None  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:

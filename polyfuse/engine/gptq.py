@@ -95,11 +95,11 @@ def _inverse_hessian_factor(h: torch.Tensor, w: torch.Tensor, damp: float) -> to
 def _rounder(fmt: str, w: torch.Tensor):
     """(col -> the float column on the format's grid, per-channel components) for int8 / fp8: the scales come from the
     original rows (float32; int8 with its clipping search), as round to nearest takes them."""
-    if fmt == "int8":
+    if fmt == "int8":  # the rounding decided in float32, as round to nearest decides it
         scale = int8_row_scales(w)
-        return (lambda col: torch.clamp(torch.round(col / scale), -127, 127) * scale), scale
+        return (lambda col: torch.clamp(torch.round(col.float() / scale), -127, 127).double() * scale), scale
     scale = (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
-    return (lambda col: (col / scale).clamp(-FP8_MAX, FP8_MAX).float().to(FP8).double() * scale), scale
+    return (lambda col: (col.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).double() * scale), scale
 
 
 @torch.no_grad()
@@ -109,7 +109,10 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
     x x^T over ``tokens`` calibration inputs (0: many, AutoGPTQ's 1% dampening)."""
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
-    w = w.detach().double().clone()  # on w's device: the column loop is many small ops (a GPU's, where it is)
+    home = w.device
+    # the column loop is many small float64 ops: on a CUDA GPU where the weights are there, else on the CPU (Gaudi has
+    # no float64)
+    w = w.detach().to("cpu" if home.type != "cuda" else home, torch.float64, copy=True)
     n, k = w.shape
     u = _inverse_hessian_factor(h.to(w.device, torch.float64), w, dampening(k, tokens) if tokens else DAMP)
     g = min(group_size, k) if fmt == "int4" else k
@@ -119,8 +122,8 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
         zeros = torch.zeros(math.ceil(k / g), n, dtype=torch.int32, device=w.device)
     else:
         rnd, scale = _rounder(fmt, w.float())
+        out = torch.zeros_like(w)
     block = g if g < k else BLOCK  # int4 groups start at block starts
-    out = torch.zeros_like(w)
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
         wb = w[:, b0:b1].clone()
@@ -129,16 +132,16 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
         if fmt == "int4" and b0 % g == 0:  # the group's scale and zero from its weights as updated so far
             s16, z = int4_group_params(w[:, b0 : min(b0 + g, k)].float()[:, None, :])
             scales[b0 // g], zeros[b0 // g] = s16[:, 0], z[:, 0].to(torch.int32)
-            s, zd = s16[:, 0].double(), z[:, 0].double()
+            s, zd = s16[:, 0].float(), z[:, 0]
         for i in range(b1 - b0):
             col = wb[:, i]
-            if fmt == "int4":
-                qi = torch.clamp(torch.round(col / s) + zd, 0, 15)
+            if fmt == "int4":  # rounded in float32, as round to nearest rounds
+                qi = torch.clamp(torch.round(col.float() / s) + zd, 0, 15)
                 q_int[:, b0 + i] = qi.to(torch.int32)
-                qcol = s * (qi - zd)
+                qcol = s.double() * (qi - zd).double()
             else:
                 qcol = rnd(col)
-            out[:, b0 + i] = qcol
+                out[:, b0 + i] = qcol
             err = (col - qcol) / ub[i, i]
             wb[:, i:] -= err[:, None] * ub[i, i:][None, :]
             errs[:, i] = err
@@ -151,4 +154,4 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
         parts = {"qweight": torch.round(out / scale[:, None]).clamp(-127, 127).to(torch.int8), "scales": scale}
     else:
         parts = {"qweight": (out / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).float().to(FP8), "scales": scale}
-    return parts
+    return {name: t.to(home) for name, t in parts.items()}

@@ -525,8 +525,8 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
             continue
         quantize = quantize_components
         if hessians is not None:
-            if lin.weight.data_ptr() in hessians:
-                h, tokens = hessians[lin.weight.data_ptr()]
+            if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
+                h, tokens = hessians.pop(lin.weight.data_ptr())
                 quantize = functools.partial(_gptq, h=h, tokens=tokens)
             else:  # the calibration forward never called it
                 unreached.append(name)
