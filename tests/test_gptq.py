@@ -29,7 +29,7 @@ def test_with_uncorrelated_inputs_gptq_is_round_to_nearest(fmt):
     zeros, packing), over K with a partial last int4 group."""
     w = torch.randn(40, 320, generator=torch.Generator().manual_seed(0)) * 0.05
     rtn = qf.quantize_components(fmt, w)
-    got = gptq_components(fmt, w, torch.eye(320, dtype=torch.float64), 128)
+    got = gptq_components(fmt, w, 128, torch.eye(320, dtype=torch.float64))
     assert rtn.keys() == got.keys()
     for name in rtn:
         assert got[name].dtype == rtn[name].dtype and torch.equal(
@@ -47,7 +47,7 @@ def test_gptq_lowers_the_output_error_on_inputs_it_did_not_see(fmt):
     x_cal, x_new = torch.randn(4000, k, generator=gen) @ mix, torch.randn(2000, k, generator=gen) @ mix
     w = torch.randn(48, k, generator=gen) * 0.05
     h = x_cal.double().t() @ x_cal.double()
-    gptq = _output_error(fmt, w, gptq_components(fmt, w, h, 128, tokens=4000), x_new)
+    gptq = _output_error(fmt, w, gptq_components(fmt, w, 128, h, tokens=4000), x_new)
     rtn = _output_error(fmt, w, qf.quantize_components(fmt, w), x_new)
     assert gptq < 0.8 * rtn, (gptq, rtn)
 

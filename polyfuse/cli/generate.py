@@ -59,8 +59,12 @@ def validate(args) -> None:
         raise UsageError(f"--top_k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
-    if getattr(args, "quant_calibration", None) and args.quant not in ("int4", "int8", "fp8"):
-        raise UsageError("--quant_calibration: GPTQ needs --quant int4, int8 or fp8")
+    if getattr(args, "quant_calibration", None):
+        from polyfuse.engine.gptq import GPTQ_FORMATS
+
+        if args.quant not in GPTQ_FORMATS:
+            raise UsageError(f"--quant_calibration: GPTQ needs --quant {', '.join(GPTQ_FORMATS[:-1])} or "
+                             f"{GPTQ_FORMATS[-1]}")  # fmt: skip
 
 
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:

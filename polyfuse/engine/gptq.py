@@ -92,18 +92,39 @@ def _inverse_hessian_factor(h: torch.Tensor, w: torch.Tensor, damp: float) -> to
     return torch.linalg.cholesky(inv, upper=True)
 
 
-def _rounder(fmt: str, w: torch.Tensor):
-    """(col -> the float column on the format's grid, per-channel components) for int8 / fp8: the scales come from the
-    original rows (float32; int8 with its clipping search), as round to nearest takes them."""
-    if fmt == "int8":  # the rounding decided in float32, as round to nearest decides it
-        scale = int8_row_scales(w)
-        return (lambda col: torch.clamp(torch.round(col.float() / scale), -127, 127).double() * scale), scale
-    scale = (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
-    return (lambda col: (col.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).double() * scale), scale
+# Column rounders: col (float64 [N]) -> (its stored codes, the float64 values they stand for). Each rounding is decided
+# in float32, as round to nearest (quant_formats) decides it, so with nothing fed forward the codes are the same.
+def _int8_rounder(scale: torch.Tensor):
+    def rnd(col):
+        q = torch.clamp(torch.round(col.float() / scale), -127, 127)
+        return q.to(torch.int8), q.double() * scale
+
+    return rnd
+
+
+def _fp8_rounder(scale: torch.Tensor):
+    def rnd(col):
+        q = (col.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q, q.double() * scale
+
+    return rnd
+
+
+def _int4_rounder(scale16: torch.Tensor, zero: torch.Tensor):
+    s = scale16.float()
+
+    def rnd(col):
+        q = torch.clamp(torch.round(col.float() / s) + zero, 0, 15)
+        return q.to(torch.int32), s.double() * (q - zero).double()
+
+    return rnd
+
+
+CODE_DTYPES = {"int4": torch.int32, "int8": torch.int8, "fp8": FP8}
 
 
 @torch.no_grad()
-def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int, tokens: int = 0
+def gptq_components(fmt: str, w: torch.Tensor, group_size: int, h: torch.Tensor, tokens: int = 0
                     ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``quantize_components``'s buffers for the float weight w [N, K] quantized by GPTQ with H [K, K], the sum of
     x x^T over ``tokens`` calibration inputs (0: many, AutoGPTQ's 1% dampening)."""
@@ -115,14 +136,15 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
     w = w.detach().to("cpu" if home.type != "cuda" else home, torch.float64, copy=True)
     n, k = w.shape
     u = _inverse_hessian_factor(h.to(w.device, torch.float64), w, dampening(k, tokens) if tokens else DAMP)
-    g = min(group_size, k) if fmt == "int4" else k
+    codes = torch.empty(n, k, dtype=CODE_DTYPES[fmt], device=w.device)
     if fmt == "int4":
-        q_int = torch.zeros(n, k, dtype=torch.int32, device=w.device)
-        scales = torch.zeros(math.ceil(k / g), n, dtype=torch.float16, device=w.device)
-        zeros = torch.zeros(math.ceil(k / g), n, dtype=torch.int32, device=w.device)
-    else:
-        rnd, scale = _rounder(fmt, w.float())
-        out = torch.zeros_like(w)
+        g = min(group_size, k)
+        scales = torch.empty(math.ceil(k / g), n, dtype=torch.float16, device=w.device)
+        zeros = torch.empty(math.ceil(k / g), n, dtype=torch.int32, device=w.device)
+    else:  # per channel: the scales of the original rows (int8 with its clipping search), as round to nearest's
+        g = k
+        scale = int8_row_scales(w.float()) if fmt == "int8" else (w.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        rnd = _int8_rounder(scale) if fmt == "int8" else _fp8_rounder(scale)
     block = g if g < k else BLOCK  # int4 groups start at block starts
     for b0 in range(0, k, block):
         b1 = min(b0 + block, k)
@@ -132,26 +154,18 @@ def gptq_components(fmt: str, w: torch.Tensor, h: torch.Tensor, group_size: int,
         if fmt == "int4" and b0 % g == 0:  # the group's scale and zero from its weights as updated so far
             s16, z = int4_group_params(w[:, b0 : min(b0 + g, k)].float()[:, None, :])
             scales[b0 // g], zeros[b0 // g] = s16[:, 0], z[:, 0].to(torch.int32)
-            s, zd = s16[:, 0].float(), z[:, 0]
+            rnd = _int4_rounder(s16[:, 0], z[:, 0])
         for i in range(b1 - b0):
             col = wb[:, i]
-            if fmt == "int4":  # rounded in float32, as round to nearest rounds
-                qi = torch.clamp(torch.round(col.float() / s) + zd, 0, 15)
-                q_int[:, b0 + i] = qi.to(torch.int32)
-                qcol = s.double() * (qi - zd).double()
-            else:
-                qcol = rnd(col)
-                out[:, b0 + i] = qcol
+            codes[:, b0 + i], qcol = rnd(col)
             err = (col - qcol) / ub[i, i]
             wb[:, i:] -= err[:, None] * ub[i, i:][None, :]
             errs[:, i] = err
         w[:, b1:] -= errs @ u[b0:b1, b1:]
     if fmt == "int4":
-        qweight, qzeros = pack_int4(q_int.t(), zeros)
+        qweight, qzeros = pack_int4(codes.t(), zeros)
         g_idx = torch.arange(k, dtype=torch.int32, device=w.device) // g
         parts = {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
-    elif fmt == "int8":
-        parts = {"qweight": torch.round(out / scale[:, None]).clamp(-127, 127).to(torch.int8), "scales": scale}
     else:
-        parts = {"qweight": (out / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).float().to(FP8), "scales": scale}
+        parts = {"qweight": codes, "scales": scale}
     return {name: t.to(home) for name, t in parts.items()}

@@ -527,7 +527,7 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
         if hessians is not None:
             if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
                 h, tokens = hessians.pop(lin.weight.data_ptr())
-                quantize = functools.partial(_gptq, h=h, tokens=tokens)
+                quantize = functools.partial(gptq_components, h=h, tokens=tokens)
             else:  # the calibration forward never called it
                 unreached.append(name)
         _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP, quantize))
@@ -539,10 +539,6 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
                        ", ".join(names))  # fmt: skip
     finalize(model)
     forget_steppers(model)  # graphs captured before read the float weights
-
-
-def _gptq(fmt: str, w: torch.Tensor, group_size: int, h: torch.Tensor, tokens: int) -> dict:
-    return gptq_components(fmt, w, h, group_size, tokens)
 
 
 @torch.no_grad()
