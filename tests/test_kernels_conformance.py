@@ -49,6 +49,17 @@ REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays
 # outputs by more than the bound (run 21's GPU failures, reproduced on the CPU: the GEMV matched the float32-weight
 # result to 1e-4 where the native one sat 2.5e-3 away, as the fp16-weight result does).
 REF_IN_FLOAT32_IMPLS = {("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q")}
+# The int4 GEMM for 2..16 rows (gemv_gptq_mma.py: tensor-core products of the packed nibbles, scaled per group in
+# float32) does not round the dequantized weight either: the cases it takes (int4 in-order groups, up to 16 rows)
+# take the same reference.
+REF_IN_FLOAT32_INT4 = {("linear_q", "gemm_q")}
+
+
+def _int4_mma_takes(make) -> bool:
+    from polyfuse.backends.triton import gemv_gptq_mma
+
+    (x, qweight, *_), _, _ = make()
+    return qweight.format == "int4" and gemv_gptq_mma.accepts(x.reshape(-1, x.shape[-1]), None, qweight)
 
 
 # ... except the SwiGLU GEMV, which rounds silu(gate) * up to the activations' dtype as the unfused path stores it
@@ -564,6 +575,8 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
     side = SIDE_OUTPUTS.get(op)
     for case_id, make in CASES[op](device, dtype, big):
         upcast = (op, dtype) in REF_IN_FLOAT32 or ((op, impl_name) in REF_IN_FLOAT32_IMPLS and dtype != torch.float32)
+        if (op, impl_name) in REF_IN_FLOAT32_INT4 and dtype != torch.float32 and not upcast:
+            upcast = _int4_mma_takes(make)
         if upcast and case_id.startswith("train"):  # gradient cases keep their low-precision reference, except
             upcast = (op, dtype) in REF_IN_FLOAT32 or (op, impl_name) in REF_FN  # where REF_FN is the arithmetic
         if upcast and (op, dtype) not in REF_IN_FLOAT32 and impl.accepts is not None:

@@ -1,5 +1,5 @@
-"""The quantized GEMVs' inline PTX (int4: nibbles to floats by byte permutes, gemv_gptq.py; int8: bytes to floats,
-gemv_scaled.py) without a GPU. (1) Assembled for an H100/H200 (sm_90): Triton compiles each kernel as a launch would
+"""The quantized GEMVs' inline PTX (int4: nibbles to floats by byte permutes, gemv_gptq.py, and to bf16 / fp16 mma
+operands, gemv_gptq_mma.py; int8: bytes to floats, gemv_scaled.py) without a GPU. (1) Assembled for an H100/H200 (sm_90): Triton compiles each kernel as a launch would
 (16-divisible pointers and sizes) down to a cubin with the ptxas it ships; a PTX typo fails here. (2) Executed: the
 asm's own instructions (read from the kernel source: shifts, masks, the permute selectors) emulated on random words
 must give the numbers of the Triton-arithmetic branch that the CPU suite runs under the interpreter. The GPU
@@ -23,7 +23,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from polyfuse.backends.triton import gemv_gptq, gemv_scaled
+from polyfuse.backends.triton import gemv_gptq, gemv_gptq_mma, gemv_scaled
 
 def compile_(fn, sig, consts):
     args = [k for k in sig if sig[k] != "constexpr"]
@@ -35,19 +35,29 @@ def compile_(fn, sig, consts):
 
 common = {"X": "*bf16", "U": "*bf16"}
 sig = dict(common, QW="*i32", QZ="*i32", S="*bf16", GI="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32",
-           N="i32", K8="i32", G_SIZE="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32")
-consts = dict(SWIGLU=False, ACT_ORDER=False, HAS_BIAS=False, SPLIT=1, BLOCK_N=512, BLOCK_K8=8, STAGES=3, PDL=False,
+           N="i32", K8="i32", G_SIZE="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32", SPLIT="i32")
+consts = dict(SWIGLU=False, ACT_ORDER=False, HAS_BIAS=False, BLOCK_N=512, BLOCK_K8=8, STAGES=3, PDL=False,
               ASM=True, XBLOCK=128)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 8, "int4 permutes missing"
 sig = dict(common, W="*i8", S="*fp32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", sw_n="i32",
-           ss_n="i32", k_per_split="i32")
-consts = dict(SWIGLU=False, GROUP=0, FP8_BITS=False, INT8=True, HAS_BIAS=False, SPLIT=1, BLOCK_N=32, BLOCK_K=256,
+           ss_n="i32", k_per_split="i32", SPLIT="i32")
+consts = dict(SWIGLU=False, GROUP=0, FP8_BITS=False, INT8=True, HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,
               STAGES=3, ASM=True, PDL=False)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_scaled._gemv_scaled_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 4, "int8 permutes missing"
+sig = dict(X="*bf16", QW="*i32", QZ="*i32", S="*bf16", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", M="i32", N="i32",
+           K8="i32", G_SIZE="i32", sx_m="i32", sy_m="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
+           SPLIT="i32")
+for fp16 in (False, True):
+    consts = dict(HAS_BIAS=False, BLOCK_N=256, STAGES=3, PDL=False, ASM=True, FP16=fp16, XBLOCK=128)
+    sig.update({k: "constexpr" for k in consts})
+    if fp16:
+        sig.update(X="*fp16", S="*fp16", B="*fp16", Y="*fp16")
+    ptx = compile_(gemv_gptq_mma._gemv_gptq_mma_kernel, sig, consts)
+    assert ptx.count("lop3.b32") >= 8 and "mma.sync" in ptx, "int4 mma: the plane decode or the mma is missing"
 print("ok")
 """
 
@@ -113,3 +123,50 @@ def test_int8_permutes_give_the_interpreter_branch_numbers():
     for i in range(4):  # byte i of the packed word, as int8: its float is the bit-cast minus 2^23 + 128
         q = ((words >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.float32)
         assert np.array_equal(outs[i].view(np.float32) - np.float32(8388736.0), q), i
+
+
+def _emulate_plane_asm(asm: str, a: np.ndarray, b: np.ndarray) -> dict:
+    """Run gemv_gptq_mma._planes' PTX (prmt, shr, lop3 with the (x & y) | z table 0xEA) on word pairs (a, b)."""
+    regs = {}
+    outs = {}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if m := re.fullmatch(r"prmt\.b32 (\w+), \$8, \$9, (0x[0-9A-Fa-f]+)", line):
+            regs[m.group(1)] = _prmt(a, b, int(m.group(2), 16))
+        elif m := re.fullmatch(r"shr\.u32 (\w+), (\w+), (\d+)", line):
+            regs[m.group(1)] = regs[m.group(2)] >> np.uint32(int(m.group(3)))
+        elif m := re.fullmatch(r"lop3\.b32 \$(\d), (\w+), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+), 0xEA", line):
+            outs[int(m.group(1))] = (regs[m.group(2)] & np.uint32(int(m.group(3), 16))) | np.uint32(
+                int(m.group(4), 16)
+            )
+        elif line and not line.startswith((".reg", "{", "}")):
+            raise AssertionError(f"instruction the emulation does not know: {line}")
+    return outs
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
+def test_int4_mma_planes_give_offset_plus_nibble(fp16):
+    """Plane i of a word pair (the two words one 32-bit operand register holds) is (offset + nibble i) of each word
+    in its half: bf16 128 + q, fp16 1024 + q, exactly, as the interpreter branch computes them."""
+    from polyfuse.backends.triton import gemv_gptq_mma
+
+    src = inspect.getsource(gemv_gptq_mma._planes.fn)
+    asms = re.findall(r'asm="""(.*?)"""', src, re.S)
+    assert len(asms) == 2
+    asm = asms[0] if fp16 else asms[1]
+    rng = np.random.default_rng(2)
+    a, b = (rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    a[:2], b[:2] = [0, 0xFFFFFFFF], [0xFFFFFFFF, 0x12345678]
+    outs = _emulate_plane_asm(asm, a, b)
+    assert sorted(outs) == list(range(8))
+    off = 1024 if fp16 else 128
+
+    def value(bits16):  # fp16 through numpy; bf16 is the top half of a float32
+        if fp16:
+            return bits16.astype(np.uint16).view(np.float16).astype(np.float32)
+        return (bits16 << np.uint32(16)).view(np.float32)
+
+    for i in range(8):
+        lo, hi = value(outs[i] & np.uint32(0xFFFF)), value(outs[i] >> np.uint32(16))
+        assert np.array_equal(lo, off + ((a >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)), i
+        assert np.array_equal(hi, off + ((b >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)), i

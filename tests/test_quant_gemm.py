@@ -140,6 +140,56 @@ def test_the_check_sees_a_wrong_zero_group_or_scale(fmt, how, dtype):
     assert err(kernel(x, None, _tampered(qw, how), bias), ref) > 4 * BOUND[dtype], how
 
 
+def reference_f32_weight(x, qw, bias=None):
+    """F.linear in float64 on the float32 dequantized weight (gemv_gptq_mma.py does not round it to x's dtype)."""
+    y = x.double() @ qf.dequantize(qw, torch.float32).double().t()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m", [2, 16])
+def test_int4_mma_against_the_reference(m, dtype):
+    """The tensor-core int4 kernel for 2..16 rows (gemv_gptq_mma.py: nibble planes as mma operands, the group's
+    scale, zero and offset in float32): N = 200 (not a multiple of the 64-column tile), K = 384 (three groups) and a
+    group of 256, bias, K split one and three ways; and the same bound fails with one stored zero off by one."""
+    from polyfuse.backends.triton.gemv_gptq_mma import accepts, gemv_gptq_mma
+
+    gen = torch.Generator().manual_seed(7 + m)
+    for n, k, g in ((200, 384, 128), (72, 512, 256)):
+        qw = qf.quantize("int4", torch.randn(n, k, generator=gen), group_size=g)
+        x, _, _, bias = inputs(m, n, k, dtype)
+        assert accepts(x, None, qw)
+        ref = reference_f32_weight(x, qw, bias)
+        for tiles, split in ((None, None), ((64, 128, 4, 2), 3)):
+            y = gemv_gptq_mma(x, qw, bias, tiles=tiles, split=split)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert err(y, ref) < BOUND[dtype], (n, k, g, tiles, split)
+    qw = quantized("int4", 72, 384, "cpu")
+    x, _, _, bias = inputs(m, 72, 384, dtype)
+    ref = reference_f32_weight(x, qw, bias)
+    assert err(gemv_gptq_mma(x, qw, bias), ref) < BOUND[dtype]
+    assert err(gemv_gptq_mma(x, _tampered(qw, "zero_of_one_column_group"), bias), ref) > 4 * BOUND[dtype]
+
+
+def test_int4_mma_declines_what_it_cannot_take(monkeypatch):
+    """One row (the CUDA-core GEMV's), more than 16 rows, act-order groups, a group of 64, K not a multiple of 128,
+    float32 activations, SwiGLU folded, and POLYFUSE_INT4_MMA=0 go to the other int4 kernels."""
+    from polyfuse.backends.triton import gemv_gptq_mma
+
+    qw = quantized("int4", 72, 384, "cpu")
+    x = torch.randn(16, 384, dtype=torch.bfloat16)
+    assert gemv_gptq_mma.accepts(x, None, qw)
+    assert not gemv_gptq_mma.accepts(x[:1], None, qw)
+    assert not gemv_gptq_mma.accepts(torch.randn(17, 384, dtype=torch.bfloat16), None, qw)
+    assert not gemv_gptq_mma.accepts(x, None, quantized("int4_act", 72, 384, "cpu"))
+    assert not gemv_gptq_mma.accepts(x, None, qf.quantize("int4", torch.randn(72, 384), group_size=64))
+    assert not gemv_gptq_mma.accepts(x[:, :320], None, quantized("int4", 72, 320, "cpu"))
+    assert not gemv_gptq_mma.accepts(x.float(), None, qw)
+    assert not gemv_gptq_mma.accepts(x, x, qw)
+    monkeypatch.setattr(gemv_gptq_mma, "ENABLED", False)
+    assert not gemv_gptq_mma.accepts(x, None, qw)
+
+
 def test_split_k_counters_are_left_zero_and_results_repeat():
     """A split launch leaves its tile counters zero (the next launch, or a graph replay, starts clean) and gives the
     same bits every time (the partials are summed in split order, whichever program finishes last)."""

@@ -118,10 +118,10 @@ def _write(acc, Y, B, rows, cols, r_mask, n_mask, sy_m, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m,
-               HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+               HAS_BIAS: tl.constexpr, SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The output tile (grid: n tiles, m tiles, splits): with one split, plus bias, rounded once into Y; with several,
     the partial into the workspace and, in the tile's last program, the partials summed in split order, plus bias,
-    rounded once into Y."""
+    rounded once into Y. SPLIT: a constexpr or a launch argument (one compiled kernel for every split count)."""
     if SPLIT == 1:
         _write(acc, Y, B, rows, cols, r_mask, n_mask, sy_m, HAS_BIAS)
     else:

@@ -37,7 +37,7 @@ def e4m3_to_f32(bits):
 
 
 @triton.jit
-def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT):
     """One split: the row's result (plus bias) rounded once into Y. Several (grid: column blocks x splits): the
     float32 partial into the workspace WS [SPLIT, N]; the column block's last program (an atomic counter per block,
     left zero again) sums the partials in split order, adds the bias and rounds once into Y: no zero-fill before the
@@ -75,23 +75,29 @@ TILES = {
     "fp8": (32, 256, 4, 4),
     "fp8_block": (16, 128, 4, 3),
     "int4": (512, 64, 4, 3),
+    "int4_mma": (256, 128, 4, 3),
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
 # H200; us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8;
-# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Llama-2-70B (run 24): int8 o 20.14 ->
-# 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55, gate/up 116.65 -> 111.36, down 57.65
-# -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its format tile 512 x 64 is the least
-# summed over both models; the same tile measured 4-9% apart between passes of one call): 8B o 9.29 at 2 stages,
-# gate/up 31.38 (36.20 with the format tile); 70B o 20.79 (23.34), gate/up 105.53 (122.33), down 57.78 (61.14).
+# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Session 11's sweep found 16 x 256 / 16 x 512
+# tiles 1-3 us faster per call for qkv, o and down, but the graphed decode was not: 381.8-382.0 against 383.1-383.6
+# tok/s (int8), 387.9-388.2 against 389.3-389.5 (fp8), three alternating passes on one model: kept as they are.
+# Llama-2-70B (run 24): int8 o 20.14 -> 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55,
+# gate/up 116.65 -> 111.36, down 57.65 -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its
+# format tile 512 x 64 is the least summed over both models; the same tile measured 4-9% apart between passes of one
+# call): 8B o 9.29 at 2 stages, gate/up 31.38 (36.20 with the format tile); 70B o 20.79 (23.34), gate/up 105.53
+# (122.33), down 57.78 (61.14); session 11, with PROGRAMS_PER_SM below: 8B LM head 99.3 (138.8), 70B gate/up 94.2
+# (117.5).
 SHAPE_TILES = {
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 28672, 4096): (32, 256, 4, 3),
     ("int4", 4096, 4096): (512, 64, 4, 2),
     ("int4", 28672, 4096): (2048, 16, 4, 2),
+    ("int4", 128256, 4096): (1024, 32, 4, 3),
     ("int8", 8192, 8192): (16, 512, 4, 3),
     ("int8", 57344, 8192): (16, 512, 4, 4),
     ("int8", 8192, 28672): (16, 512, 4, 3),
@@ -99,8 +105,21 @@ SHAPE_TILES = {
     ("fp8", 57344, 8192): (8, 2048, 4, 4),
     ("fp8", 8192, 28672): (8, 1024, 4, 3),
     ("int4", 8192, 8192): (1024, 32, 8, 3),
-    ("int4", 57344, 8192): (2048, 16, 4, 4),
+    ("int4", 57344, 8192): (1024, 32, 4, 3),
     ("int4", 8192, 28672): (1024, 32, 4, 3),
+}
+# (format, N, K) -> programs per multiprocessor that the K split aims at, where more than the default two measured
+# faster (one H200, session 11's sweeps of the split): the CUDA-core int4 GEMV at the 4 warps it runs is short of
+# warps in flight with two (Nsight Compute: 12% achieved occupancy on the 8B gate/up), so more, shorter splits keep
+# more loads in flight: 8B gate/up 30.2 us at 4 (37.9 at 2), LM head 99.3 at 8 (138.8 at 2, 512 x 64), 70B gate/up
+# 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows): 8B LM head 194 us at 4 (223 at 2), 70B
+# gate/up 173 at 8 (224 at 2). int8 / fp8: no split beat the default.
+PROGRAMS_PER_SM = {
+    ("int4", 28672, 4096): 4,
+    ("int4", 128256, 4096): 8,
+    ("int4", 57344, 8192): 8,
+    ("int4_mma", 128256, 4096): 4,
+    ("int4_mma", 57344, 8192): 8,
 }
 _env = os.environ.get("POLYFUSE_QGEMV_TILES")
 if _env:
@@ -116,6 +135,11 @@ def tiles_for(fmt: str, n: int, k: int) -> tuple:
     return SHAPE_TILES.get((fmt, n, k), TILES[fmt])
 
 
+def programs_per_sm(fmt: str, n: int, k: int) -> int:
+    """Programs per multiprocessor for split_k: the projection's measured entry, else two."""
+    return PROGRAMS_PER_SM.get((fmt, n, k), 2)
+
+
 def no_fp8_cvt(device: torch.device) -> bool:
     """A GPU without fp8 conversion instructions (before sm89): the kernels decode e4m3 bits by integer arithmetic."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
@@ -126,9 +150,10 @@ def dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def split_k(n_programs: int, k_tiles: int, device: torch.device) -> int:
-    """Splits of K so that about two programs per multiprocessor run (one split when the rows already fill them)."""
-    want = triton.cdiv(2 * sm_count(device), max(n_programs, 1))
+def split_k(n_programs: int, k_tiles: int, device: torch.device, per_sm: int = 2) -> int:
+    """Splits of K so that about ``per_sm`` programs per multiprocessor run (one split when the rows already fill
+    them)."""
+    want = triton.cdiv(per_sm * sm_count(device), max(n_programs, 1))
     return max(1, min(want, k_tiles))
 
 

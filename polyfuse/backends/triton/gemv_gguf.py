@@ -26,7 +26,7 @@ LAYOUT = {"gguf_q8_0": (0, 17, 1, 16), "gguf_q4_0": (1, 9, 1, 8), "gguf_q4_1": (
 def _gemv_gguf_kernel(
     X, U, W, B, Y, WS, CNT, N, NB, row_hw, nb_per_split,
     SWIGLU: tl.constexpr, FMT: tl.constexpr, BLOCK_HW: tl.constexpr, QS0: tl.constexpr, NQ: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)

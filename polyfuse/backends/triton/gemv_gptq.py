@@ -22,7 +22,15 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import dense_rows, load_x, split_buffers, split_k, store_out, tiles_for
+from polyfuse.backends.triton._qgemv import (
+    dense_rows,
+    load_x,
+    programs_per_sm,
+    split_buffers,
+    split_k,
+    store_out,
+    tiles_for,
+)
 from polyfuse.backends.triton._rounding import PTX
 
 
@@ -76,7 +84,7 @@ def _nibbles_f32(words, ASM: tl.constexpr):
 @triton.jit
 def _gemv_gptq_kernel(
     X, U, QW, QZ, S, GI, B, Y, WS, CNT, N, K8, G_SIZE, sq_k, sz_g, ss_g, k8_per_split,
-    SWIGLU: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    SWIGLU: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
     BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr, XBLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -154,7 +162,7 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k8, block_k8)
-    split = split or split_k(grid_n, k_tiles, x.device)
+    split = split or split_k(grid_n, k_tiles, x.device, programs_per_sm("int4", n, k))
     per = triton.cdiv(k_tiles, split) * block_k8
     split = triton.cdiv(k8, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)

@@ -23,6 +23,7 @@ from polyfuse.backends.triton._qgemv import (
     e4m3_to_f32,
     load_x,
     no_fp8_cvt,
+    programs_per_sm,
     split_buffers,
     split_k,
     store_out,
@@ -72,7 +73,7 @@ def _to_f32(w, FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
 def _gemv_scaled_kernel(
     X, U, W, S, B, Y, WS, CNT, N, K, sw_n, ss_n, k_per_split,
     SWIGLU: tl.constexpr, GROUP: tl.constexpr, FP8_BITS: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+    SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_prior(PDL)
@@ -114,7 +115,7 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
         w = w.view(torch.uint8)
     grid_n = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    split = split or split_k(grid_n, k_tiles, w.device)
+    split = split or split_k(grid_n, k_tiles, w.device, programs_per_sm(qw.format, n, k))
     per = triton.cdiv(k_tiles, split) * block_k
     split = triton.cdiv(k, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)

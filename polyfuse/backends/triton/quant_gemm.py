@@ -1,6 +1,6 @@
 """The Triton dequantizing GEMM as ``linear_q`` / ``swiglu_linear_q`` for a few rows (batch decode): int4
-(gemm_gptq.py), int8 and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU folded into the
-activation loads.
+(gemm_gptq.py; 2..16 rows with in-order groups: gemv_gptq_mma.py, the packed nibbles as tensor-core operands), int8
+and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
 
 It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
@@ -52,6 +52,10 @@ def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
 def _gemm(x, up, qweight, bias):
     k = qweight.shape[1]
     if qweight.format == "int4":
+        from polyfuse.backends.triton import gemv_gptq_mma
+
+        if gemv_gptq_mma.accepts(x, up, qweight):  # up to 16 rows: the tensor-core GEMV
+            return gemv_gptq_mma.gemv_gptq_mma(rows(x, k), qweight, bias)
         from polyfuse.backends.triton.gemm_gptq import gemm_gptq as kernel
     else:
         from polyfuse.backends.triton.gemm_scaled import gemm_scaled as kernel

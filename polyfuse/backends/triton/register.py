@@ -107,7 +107,10 @@ def implementations() -> list[Implementation]:
 
 
 QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
-GEMM_NOTE = "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads"
+GEMM_NOTE = (
+    "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
+    "operands)"
+)
 DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dtype + F.linear"
 SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: x quantized to e4m3 per token by one Triton kernel + torch._scaled_mm"

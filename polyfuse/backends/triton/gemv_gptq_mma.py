@@ -1,0 +1,207 @@
+"""One-row GEMV on int4 weights in AutoGPTQ's layout, the products on the tensor cores (mma, 15 of 16 rows zero).
+
+The CUDA-core kernel (gemv_gptq.py) spends about 3.4-4.2 instructions per weight on an H100/H200 (a byte permute and
+an FMA per weight, the activations' loads), and at that rate its 4-bit weights stream at about half the bandwidth of
+the 8-bit ones. Here a weight costs one logic instruction: qweight [K/8, N] words are copied to shared memory by the
+software pipeline and read back in the tensor core's operand layout (Triton hoists the decode past the layout change:
+two consecutive words per register pair), where one byte permute per two words and a shift + LOP3 per two weights
+turn nibble i of two words into the bf16 pair (128 + q) (exact: q sits under the exponent of 128 as the low mantissa
+bits; fp16 activations: 1024 + q). Each 128-weight tile is eight [16, 16] x [16, BLOCK_N] products, one per nibble
+plane (plane i holds weights k = 8 k8 + i; the activation rows are x[8 k8 + i] in row 0 and zeros below), so the sum
+over the tile is sum (offset + q) x in float32. A tile lies in one group (the group size a multiple of 128): it is
+scaled by its column's scale; the offset and the zero come off once per group and column after the loop, as
+s (sum q x - z sum x) = s t - (offset + z) s sum x (AutoGPTQ's stored zero plus one). SPLIT > 1 splits K over
+programs whose partial sums the last one adds (_qgemv.store_out). Under the CPU interpreter (no bf16 products there)
+the planes and activations are float32: the same exact products.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
+from polyfuse.backends.triton._qgemm import store_tile
+from polyfuse.backends.triton._qgemv import counters, dense_rows, programs_per_sm, split_k, tiles_for, workspace
+from polyfuse.backends.triton._rounding import PTX
+
+
+# POLYFUSE_INT4_MMA=0 (read at import; a module attribute, so benchmarks can switch it) keeps int4 on the CUDA-core
+# GEMV (gemv_gptq.py) and the dequantizing GEMM (gemm_gptq.py).
+ENABLED = os.environ.get("POLYFUSE_INT4_MMA", "1") != "0"
+TILE_K = 128  # weights along K per tile: 16 words of 8 nibbles (the mma's K of 16 per plane)
+
+
+@triton.jit
+def _planes(words, ASM: tl.constexpr, FP16: tl.constexpr):
+    """The eight nibble planes of int32 words as exact (offset + q): bf16 128 + q (fp16: 1024 + q); float32 under
+    the interpreter. ASM (pack 2: two words per call, as the operand layout holds them) puts the low halves of both
+    words side by side with one permute, the high halves with another, then per plane a shift and one LOP3
+    ((v & 0x000F000F) | magic) give two weights."""
+    if ASM:
+        if FP16:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi;
+                prmt.b32 lo, $8, $9, 0x5410;
+                prmt.b32 hi, $8, $9, 0x7632;
+                lop3.b32 $0, lo, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $4, hi, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $1, lo, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $5, hi, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $2, lo, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $6, hi, 0x000F000F, 0x64006400, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $3, lo, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $7, hi, 0x000F000F, 0x64006400, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                args=[words],
+                dtype=(tl.float16,) * 8,
+                is_pure=True,
+                pack=2,
+            )
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 lo, hi;
+                prmt.b32 lo, $8, $9, 0x5410;
+                prmt.b32 hi, $8, $9, 0x7632;
+                lop3.b32 $0, lo, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $4, hi, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $1, lo, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $5, hi, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $2, lo, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $6, hi, 0x000F000F, 0x43004300, 0xEA;
+                shr.u32 lo, lo, 4;
+                shr.u32 hi, hi, 4;
+                lop3.b32 $3, lo, 0x000F000F, 0x43004300, 0xEA;
+                lop3.b32 $7, hi, 0x000F000F, 0x43004300, 0xEA;
+                }""",
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
+                args=[words],
+                dtype=(tl.bfloat16,) * 8,
+                is_pure=True,
+                pack=2,
+            )
+    else:
+        off = 1024 if FP16 else 128
+        p0 = ((words & 15) + off).to(tl.float32)
+        p1 = (((words >> 4) & 15) + off).to(tl.float32)
+        p2 = (((words >> 8) & 15) + off).to(tl.float32)
+        p3 = (((words >> 12) & 15) + off).to(tl.float32)
+        p4 = (((words >> 16) & 15) + off).to(tl.float32)
+        p5 = (((words >> 20) & 15) + off).to(tl.float32)
+        p6 = (((words >> 24) & 15) + off).to(tl.float32)
+        p7 = (((words >> 28) & 15) + off).to(tl.float32)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _xtile(xp, r_mask, ASM: tl.constexpr):
+    """[16, 16] activation operand: the tile's x for one plane in the call's rows, zeros below."""
+    x = tl.load(xp, mask=r_mask, other=0.0)
+    if not ASM:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_gptq_mma_kernel(
+    X, QW, QZ, S, B, Y, WS, CNT, M, N, K8, G_SIZE, sx_m, sy_m, sq_k, sz_g, ss_g, k8_per_split, SPLIT,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, FP16: tl.constexpr, XBLOCK: tl.constexpr,
+):  # fmt: skip
+    wait_prior(PDL)
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    zshift = (n % 8) * 4
+    k8_start = tl.program_id(2) * k8_per_split
+    k8_end = tl.minimum(K8, k8_start + k8_per_split)
+    kk8 = tl.arange(0, 16)
+    rows = tl.arange(0, 16)
+    r_mask = rows < M
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k80 in tl.range(k8_start, k8_end, 16, num_stages=STAGES):
+        k8 = k80 + kk8
+        words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=n_mask[None, :], other=0)
+        s = tl.load(S + ((k80 * 8) // G_SIZE) * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words, ASM, FP16)
+        xp = X + rows[:, None] * sx_m + k8[None, :] * 8
+        xm = r_mask[:, None]
+        t = tl.dot(_xtile(xp, xm, ASM), p0)
+        t = tl.dot(_xtile(xp + 1, xm, ASM), p1, t)
+        t = tl.dot(_xtile(xp + 2, xm, ASM), p2, t)
+        t = tl.dot(_xtile(xp + 3, xm, ASM), p3, t)
+        t = tl.dot(_xtile(xp + 4, xm, ASM), p4, t)
+        t = tl.dot(_xtile(xp + 5, xm, ASM), p5, t)
+        t = tl.dot(_xtile(xp + 6, xm, ASM), p6, t)
+        t = tl.dot(_xtile(xp + 7, xm, ASM), p7, t)
+        acc += t * s[None, :]
+    # the offset and the zero, once per group and column: (offset + z) s sum x over this split's part of the group
+    off = 1024.0 if FP16 else 128.0
+    k_lo = k8_start * 8
+    k_hi = k8_end * 8
+    xb = tl.arange(0, XBLOCK)
+    for g in range(k_lo // G_SIZE, tl.cdiv(k_hi, G_SIZE)):
+        g_lo = tl.maximum(g * G_SIZE, k_lo)
+        g_hi = tl.minimum(g * G_SIZE + G_SIZE, k_hi)
+        xg = tl.zeros([16, XBLOCK], dtype=tl.float32)
+        for c in range(g_lo, g_hi, XBLOCK):
+            cm = r_mask[:, None] & (c + xb < g_hi)[None, :]
+            xg += tl.load(X + rows[:, None] * sx_m + c + xb[None, :], mask=cm, other=0.0).to(tl.float32)
+        s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
+        zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
+        z = (((zw >> zshift) & 15) + 1).to(tl.float32)
+        acc -= tl.sum(xg, axis=1)[:, None] * ((off + z) * s)[None, :]
+    store_tile(acc, Y, B, WS, CNT, rows, n, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, 16, BLOCK_N)
+
+
+MIN_ROWS, MAX_ROWS = 2, 16  # one row: gemv_gptq.py (faster there on an H200); 16: the rows of the mma tile
+
+
+def accepts(x: torch.Tensor, up, qw) -> bool:
+    """Whether this kernel takes the call: 2..16 rows, in-order groups of a multiple of 128 weights, K a multiple of
+    128, no SwiGLU fold, fp16/bf16 activations, a GPU with bf16 tensor cores (sm80+) or the CPU interpreter."""
+    n, k = qw.shape
+    if not ENABLED or up is not None or qw.act_order or qw.group_size % TILE_K or k % TILE_K:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or not MIN_ROWS <= x.numel() // k <= MAX_ROWS:
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
+    """x [M, K] (M <= 16, unit column stride) @ dequantize(qw).T -> [M, N] in x's dtype (+ bias); ``accepts``
+    must hold."""
+    n, k = qw.shape
+    m = x.shape[0]
+    block_n, _, num_warps, num_stages = tiles or tiles_for("int4_mma", n, k)
+    k8 = k // 8
+    grid_n = triton.cdiv(n, block_n)
+    k_tiles = k // TILE_K
+    split = split or split_k(grid_n, k_tiles, x.device, programs_per_sm("int4_mma", n, k))
+    per = triton.cdiv(k_tiles, split) * 16
+    split = triton.cdiv(k8, per)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = workspace(split, m, n, x.device)
+    cnt = counters(x.device, grid_n)
+    qweight, qzeros, scales = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales))
+    _gemv_gptq_mma_kernel[(grid_n, 1, split)](
+        x, qweight, qzeros, scales, bias if bias is not None else y, y, ws, cnt, m, n, k8, qw.group_size,
+        x.stride(0), y.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), per, split,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX,
+        FP16=x.dtype == torch.float16, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    return y
