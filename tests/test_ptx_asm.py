@@ -52,7 +52,7 @@ sig = dict(X="*bf16", QW="*i32", QZ="*i32", S="*bf16", B="*bf16", Y="*bf16", WS=
            K8="i32", G_SIZE="i32", sx_m="i32", sy_m="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
            SPLIT="i32")
 for fp16 in (False, True):
-    consts = dict(HAS_BIAS=False, BLOCK_N=256, STAGES=3, PDL=False, ASM=True, FP16=fp16, XBLOCK=128)
+    consts = dict(HAS_BIAS=False, BLOCK_N=256, STAGES=3, PDL=False, ASM=True, FP16=fp16, XBLOCK=128, PLANE_MAJOR=True)
     sig.update({k: "constexpr" for k in consts})
     if fp16:
         sig.update(X="*fp16", S="*fp16", B="*fp16", Y="*fp16")

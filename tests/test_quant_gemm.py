@@ -151,7 +151,8 @@ def reference_f32_weight(x, qw, bias=None):
 def test_int4_mma_against_the_reference(m, dtype):
     """The tensor-core int4 kernel for 2..16 rows (gemv_gptq_mma.py: nibble planes as mma operands, the group's
     scale, zero and offset in float32): N = 200 (not a multiple of the 64-column tile), K = 384 (three groups) and a
-    group of 256, bias, K split one and three ways; and the same bound fails with one stored zero off by one."""
+    group of 256, bias, K split one, two and three ways, the activations permuted plane by plane first (the default)
+    or read in place; and the same bound fails with one stored zero off by one."""
     from polyfuse.backends.triton.gemv_gptq_mma import accepts, gemv_gptq_mma
 
     gen = torch.Generator().manual_seed(7 + m)
@@ -160,15 +161,27 @@ def test_int4_mma_against_the_reference(m, dtype):
         x, _, _, bias = inputs(m, n, k, dtype)
         assert accepts(x, None, qw)
         ref = reference_f32_weight(x, qw, bias)
-        for tiles, split in ((None, None), ((64, 128, 4, 2), 3)):
-            y = gemv_gptq_mma(x, qw, bias, tiles=tiles, split=split)
+        for tiles, split, plane_major in ((None, None, True), ((64, 128, 4, 2), 3, True), (None, 2, False)):
+            y = gemv_gptq_mma(x, qw, bias, tiles=tiles, split=split, plane_major=plane_major)
             assert y.dtype == dtype and y.shape == (m, n)
-            assert err(y, ref) < BOUND[dtype], (n, k, g, tiles, split)
+            assert err(y, ref) < BOUND[dtype], (n, k, g, tiles, split, plane_major)
     qw = quantized("int4", 72, 384, "cpu")
     x, _, _, bias = inputs(m, 72, 384, dtype)
     ref = reference_f32_weight(x, qw, bias)
     assert err(gemv_gptq_mma(x, qw, bias), ref) < BOUND[dtype]
     assert err(gemv_gptq_mma(x, _tampered(qw, "zero_of_one_column_group"), bias), ref) > 4 * BOUND[dtype]
+
+
+def test_int4_mma_plane_major_permutation():
+    """The activation permutation the GEMM reads: XP[r, 128 t + 16 i + j] = X[r, 128 t + 8 j + i], from a strided
+    view, every row and tile (K = 384: three tiles, fewer than one program's eight)."""
+    from polyfuse.backends.triton.gemv_gptq_mma import _plane_major_kernel
+
+    x = torch.randn(3, 400)[:, :384]
+    xp = torch.empty(3, 384)
+    _plane_major_kernel[(3, 1)](x, xp, 384, x.stride(0), TILES=8, PDL=False)
+    want = x.reshape(3, 3, 16, 8).transpose(2, 3).reshape(3, 384)
+    assert torch.equal(xp, want)
 
 
 def test_int4_mma_declines_what_it_cannot_take(monkeypatch):

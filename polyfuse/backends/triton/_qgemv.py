@@ -107,19 +107,33 @@ SHAPE_TILES = {
     ("int4", 8192, 8192): (1024, 32, 8, 3),
     ("int4", 57344, 8192): (1024, 32, 4, 3),
     ("int4", 8192, 28672): (1024, 32, 4, 3),
+    # the int4 tensor-core kernel at 16 rows, activations plane-major (session 11's sweep; us, against the format tile
+    # 256 x 128 x 4 warps x 3 stages at two programs per SM where it differs): 8B qkv 15.64, o 13.40, down 29.34;
+    # 70B qkv 34.82, o 30.66 (gate/up, down and the LM head: the format tile, PROGRAMS_PER_SM below)
+    ("int4_mma", 6144, 4096): (128, 128, 4, 3),
+    ("int4_mma", 4096, 4096): (128, 128, 4, 3),
+    ("int4_mma", 4096, 14336): (128, 128, 4, 3),
+    ("int4_mma", 10240, 8192): (128, 128, 4, 5),
+    ("int4_mma", 8192, 8192): (128, 128, 4, 5),
 }
 # (format, N, K) -> programs per multiprocessor that the K split aims at, where more than the default two measured
 # faster (one H200, session 11's sweeps of the split): the CUDA-core int4 GEMV at the 4 warps it runs is short of
 # warps in flight with two (Nsight Compute: 12% achieved occupancy on the 8B gate/up), so more, shorter splits keep
 # more loads in flight: 8B gate/up 30.2 us at 4 (37.9 at 2), LM head 99.3 at 8 (138.8 at 2, 512 x 64), 70B gate/up
-# 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows): 8B LM head 194 us at 4 (223 at 2), 70B
-# gate/up 173 at 8 (224 at 2). int8 / fp8: no split beat the default.
+# 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows, plane-major activations, with the tiles
+# above): 8B qkv 15.64 us, down 29.34, LM head 124.44; 70B qkv 34.82, o 30.66, gate/up 113.96, down 76.14. int8 /
+# fp8: no split beat the default.
 PROGRAMS_PER_SM = {
     ("int4", 28672, 4096): 4,
     ("int4", 128256, 4096): 8,
     ("int4", 57344, 8192): 8,
+    ("int4_mma", 6144, 4096): 4,
+    ("int4_mma", 4096, 14336): 4,
     ("int4_mma", 128256, 4096): 4,
+    ("int4_mma", 10240, 8192): 4,
+    ("int4_mma", 8192, 8192): 4,
     ("int4_mma", 57344, 8192): 8,
+    ("int4_mma", 8192, 28672): 4,
 }
 _env = os.environ.get("POLYFUSE_QGEMV_TILES")
 if _env:

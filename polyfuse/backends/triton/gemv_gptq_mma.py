@@ -1,18 +1,25 @@
-"""One-row GEMV on int4 weights in AutoGPTQ's layout, the products on the tensor cores (mma, 15 of 16 rows zero).
+"""int4 weights in AutoGPTQ's layout times 2..16 rows (batch decode), the products on the tensor cores.
 
-The CUDA-core kernel (gemv_gptq.py) spends about 3.4-4.2 instructions per weight on an H100/H200 (a byte permute and
-an FMA per weight, the activations' loads), and at that rate its 4-bit weights stream at about half the bandwidth of
-the 8-bit ones. Here a weight costs one logic instruction: qweight [K/8, N] words are copied to shared memory by the
-software pipeline and read back in the tensor core's operand layout (Triton hoists the decode past the layout change:
-two consecutive words per register pair), where one byte permute per two words and a shift + LOP3 per two weights
-turn nibble i of two words into the bf16 pair (128 + q) (exact: q sits under the exponent of 128 as the low mantissa
-bits; fp16 activations: 1024 + q). Each 128-weight tile is eight [16, 16] x [16, BLOCK_N] products, one per nibble
-plane (plane i holds weights k = 8 k8 + i; the activation rows are x[8 k8 + i] in row 0 and zeros below), so the sum
-over the tile is sum (offset + q) x in float32. A tile lies in one group (the group size a multiple of 128): it is
-scaled by its column's scale; the offset and the zero come off once per group and column after the loop, as
-s (sum q x - z sum x) = s t - (offset + z) s sum x (AutoGPTQ's stored zero plus one). SPLIT > 1 splits K over
-programs whose partial sums the last one adds (_qgemv.store_out). Under the CPU interpreter (no bf16 products there)
-the planes and activations are float32: the same exact products.
+The CUDA-core kernels (gemv_gptq.py for one row, gemm_gptq.py for more) spend several instructions per weight (a
+byte permute and an FMA, or a float dequantization and a rounding, per weight); here a weight costs one logic
+instruction. qweight [K/8, N] words are copied to shared memory by the software pipeline and read back in the tensor
+core's operand layout (Triton hoists the decode past the layout change: two consecutive words per register pair),
+where one byte permute per two words and a shift + LOP3 per two weights turn nibble i of both words into the bf16
+pair (128 + q) (exact: q sits under the exponent of 128 as the low mantissa bits; fp16 activations: 1024 + q). Each
+128-weight tile is eight [16, 16] x [16, BLOCK_N] products, one per nibble plane (plane i holds the weights
+k = 8 k8 + i; the other operand holds the call's rows, zeros below), so the sum over the tile is sum (offset + q) x
+in float32. A tile lies in one group (the group size a multiple of 128): it is scaled by its column's scale; the
+offset and the zero come off once per group and column after the loop, as s (sum q x - z sum x) = s t -
+(offset + z) s sum x (AutoGPTQ's stored zero plus one). The dequantized weight is never rounded to the activations'
+dtype (as in the one-row GEMV).
+
+Plane-major activations (PLANE_MAJOR, the default): a small kernel first rewrites each 128-wide tile of x plane by
+plane, so that plane i's 16 activations are contiguous and the main loop copies them with the weights through the
+pipeline; read in place, every eighth value, each plane's operand went through registers and shared memory with a
+barrier. On an H200 at 16 rows that took the 8B gate/up from 50.1 to 36.1 us and the decode at batch 16 from 3266 to
+4292 tok/s. SPLIT > 1 splits K over programs; the tile's last program adds the partials in split order
+(_qgemm.store_tile). Under the CPU interpreter (no bf16 products there) the planes and activations are float32: the
+same exact products. One row stays on gemv_gptq.py: it was as fast or faster there on every Llama projection.
 """
 
 import os
@@ -30,6 +37,9 @@ from polyfuse.backends.triton._rounding import PTX
 # POLYFUSE_INT4_MMA=0 (read at import; a module attribute, so benchmarks can switch it) keeps int4 on the CUDA-core
 # GEMV (gemv_gptq.py) and the dequantizing GEMM (gemm_gptq.py).
 ENABLED = os.environ.get("POLYFUSE_INT4_MMA", "1") != "0"
+# The activations permuted plane by plane first (_plane_major_kernel, one small launch) so that each plane's 16 values
+# are contiguous: a module attribute for A/B runs.
+PLANE_MAJOR = True
 TILE_K = 128  # weights along K per tile: 16 words of 8 nibbles (the mma's K of 16 per plane)
 
 
@@ -117,10 +127,24 @@ def _xtile(xp, r_mask, ASM: tl.constexpr):
 
 
 @triton.jit
+def _plane_major_kernel(X, XP, K, sx_m, TILES: tl.constexpr, PDL: tl.constexpr):
+    """XP[row, 128 t + 16 i + j] = X[row, 128 t + 8 j + i]: each 128-wide tile of a row plane by plane, so the GEMM
+    reads a plane's 16 activations contiguously (pipelined copies) instead of every eighth value."""
+    wait_prior(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * TILES + tl.arange(0, TILES)[:, None, None]
+    j = tl.arange(0, 16)[None, :, None]
+    i = tl.arange(0, 8)[None, None, :]
+    m = (t < K // 128) & (j < 16) & (i < 8)
+    v = tl.load(X + row * sx_m + t * 128 + j * 8 + i, mask=m)
+    tl.store(XP + row * K + t * 128 + i * 16 + j, v, mask=m)
+
+
+@triton.jit
 def _gemv_gptq_mma_kernel(
     X, QW, QZ, S, B, Y, WS, CNT, M, N, K8, G_SIZE, sx_m, sy_m, sq_k, sz_g, ss_g, k8_per_split, SPLIT,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, FP16: tl.constexpr, XBLOCK: tl.constexpr,
+    ASM: tl.constexpr, FP16: tl.constexpr, XBLOCK: tl.constexpr, PLANE_MAJOR: tl.constexpr,
 ):  # fmt: skip
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,16 +161,21 @@ def _gemv_gptq_mma_kernel(
         words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=n_mask[None, :], other=0)
         s = tl.load(S + ((k80 * 8) // G_SIZE) * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
         p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words, ASM, FP16)
-        xp = X + rows[:, None] * sx_m + k8[None, :] * 8
         xm = r_mask[:, None]
+        if PLANE_MAJOR:  # X holds each 128-wide tile plane by plane: plane i's 16 values are contiguous
+            xp = X + rows[:, None] * sx_m + k80 * 8 + kk8[None, :]
+            d = 16
+        else:  # plane i: every eighth value of the tile
+            xp = X + rows[:, None] * sx_m + k8[None, :] * 8
+            d = 1
         t = tl.dot(_xtile(xp, xm, ASM), p0)
-        t = tl.dot(_xtile(xp + 1, xm, ASM), p1, t)
-        t = tl.dot(_xtile(xp + 2, xm, ASM), p2, t)
-        t = tl.dot(_xtile(xp + 3, xm, ASM), p3, t)
-        t = tl.dot(_xtile(xp + 4, xm, ASM), p4, t)
-        t = tl.dot(_xtile(xp + 5, xm, ASM), p5, t)
-        t = tl.dot(_xtile(xp + 6, xm, ASM), p6, t)
-        t = tl.dot(_xtile(xp + 7, xm, ASM), p7, t)
+        t = tl.dot(_xtile(xp + d, xm, ASM), p1, t)
+        t = tl.dot(_xtile(xp + 2 * d, xm, ASM), p2, t)
+        t = tl.dot(_xtile(xp + 3 * d, xm, ASM), p3, t)
+        t = tl.dot(_xtile(xp + 4 * d, xm, ASM), p4, t)
+        t = tl.dot(_xtile(xp + 5 * d, xm, ASM), p5, t)
+        t = tl.dot(_xtile(xp + 6 * d, xm, ASM), p6, t)
+        t = tl.dot(_xtile(xp + 7 * d, xm, ASM), p7, t)
         acc += t * s[None, :]
     # the offset and the zero, once per group and column: (offset + z) s sum x over this split's part of the group
     off = 1024.0 if FP16 else 128.0
@@ -167,7 +196,10 @@ def _gemv_gptq_mma_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, n, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, 16, BLOCK_N)
 
 
-MIN_ROWS, MAX_ROWS = 2, 16  # one row: gemv_gptq.py (faster there on an H200); 16: the rows of the mma tile
+# One row: gemv_gptq.py (session 11, one H200, us: 8B qkv 11.85 vs 12.56 here, o 10.34 vs 10.73, gate/up 30.53 vs
+# 33.04, down 20.22 vs 20.27, LM head 99.4 vs 117.6; 70B within 1% on o and down, slower on qkv and gate/up).
+# 16: the rows of the mma tile.
+MIN_ROWS, MAX_ROWS = 2, 16
 
 
 def accepts(x: torch.Tensor, up, qw) -> bool:
@@ -181,7 +213,7 @@ def accepts(x: torch.Tensor, up, qw) -> bool:
     return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
+def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None, plane_major=None):
     """x [M, K] (M <= 16, unit column stride) @ dequantize(qw).T -> [M, N] in x's dtype (+ bias); ``accepts``
     must hold."""
     n, k = qw.shape
@@ -197,10 +229,18 @@ def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
     ws = workspace(split, m, n, x.device)
     cnt = counters(x.device, grid_n)
     qweight, qzeros, scales = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales))
+    plane_major = PLANE_MAJOR if plane_major is None else plane_major
+    if plane_major:
+        xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        tiles_per_program = 8
+        _plane_major_kernel[(m, triton.cdiv(k // TILE_K, tiles_per_program))](
+            x, xp, k, x.stride(0), TILES=tiles_per_program, num_warps=4, **pdl_options(x.device)
+        )
+        x = xp
     _gemv_gptq_mma_kernel[(grid_n, 1, split)](
         x, qweight, qzeros, scales, bias if bias is not None else y, y, ws, cnt, m, n, k8, qw.group_size,
         x.stride(0), y.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), per, split,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX, PLANE_MAJOR=plane_major,
         FP16=x.dtype == torch.float16, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
