@@ -10,7 +10,8 @@
 tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load); a value ending in
 "+lm_head" (fp8+lm_head, ...) also quantizes the LM head, as run_generation.py's --quant_lm_head; "+gptq" (int4+gptq,
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
-scored text's tokens after --max_tokens, which are not scored). The first entry is the baseline the others are
+scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
+(512 tokens, at most 64, whatever --context is). The first entry is the baseline the others are
 compared with. The default text is the Declaration of Independence (public domain,
 examples/data/declaration_of_independence.txt).
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
+from polyfuse.engine.gptq import calibration_windows  # noqa: E402
 from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
 
 
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
                 return 2
         else:
             cal_ids = ids[args.max_tokens :] if args.max_tokens > 0 else ids[:0]
-        calibration = token_windows(cal_ids, args.context)
+        calibration = calibration_windows(cal_ids)  # run_generation.py --quant_calibration's windows
         if not calibration:
             print("evaluate_perplexity.py: error: +gptq needs calibration tokens: give --calibration_text, or "
                   "--max_tokens below the text's length", file=sys.stderr)  # fmt: skip

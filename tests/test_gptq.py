@@ -85,6 +85,31 @@ def test_quantize_model_with_calibration_keeps_the_layout_and_beats_round_to_nea
     assert errors["gptq"] < 0.95 * errors["rtn"], errors  # measured: 0.259 vs 0.282
 
 
+def test_fused_parts_share_one_factorization(monkeypatch):
+    """q / k / v and gate / up share their input, hence H: its inverse is factored once per projection (4 per
+    layer), not once per part (7), and the parts quantized with the shared factor equal those with their own."""
+    from polyfuse.engine import gptq
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=128)
+    calibration = [torch.randint(3, 300, (4, 32), generator=torch.Generator().manual_seed(5))]
+    calls = []
+    real = gptq._inverse_hessian_factor
+    monkeypatch.setattr(gptq, "_inverse_hessian_factor", lambda h, damp: calls.append(h.shape) or real(h, damp))
+    model = LlamaForCausalLM.from_config(cfg, dtype=torch.float32, seed=4)
+    quantize_model_(model, "int8", calibration)
+    assert len(calls) == 4 * cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(200, 64, generator=gen, dtype=torch.float64)
+    h = x.t() @ x
+    w1, w2 = torch.randn(16, 64, generator=gen), torch.randn(24, 64, generator=gen)
+    shared = gptq.HessianFactor(h, tokens=200)
+    for w in (w1, w2):
+        a = gptq_components("int8", w, 128, shared)
+        b = gptq_components("int8", w, 128, h, tokens=200)
+        assert torch.equal(a["qweight"], b["qweight"]) and torch.equal(a["scales"], b["scales"])
+
+
 def test_gptq_refuses_formats_it_has_no_rounding_for_and_empty_calibration():
     from polyfuse.models.llama import LlamaForCausalLM
 

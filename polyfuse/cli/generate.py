@@ -347,9 +347,9 @@ def refuse_quantized_checkpoint(path: str, gguf) -> None:
 
 
 def calibration_windows(where: str, tokenizer) -> list:
-    """--quant_calibration's token windows (512 tokens, at most 64), read before the model is loaded: a bad file or
-    an empty text fails fast."""
-    from polyfuse.bench.perplexity import token_windows
+    """--quant_calibration's token windows (engine/gptq.calibration_windows: 512 tokens, at most 64), read before the
+    model is loaded: a bad file or an empty text fails fast."""
+    from polyfuse.engine.gptq import calibration_windows as windows_of
 
     try:
         with open(where, encoding="utf-8") as f:
@@ -360,7 +360,7 @@ def calibration_windows(where: str, tokenizer) -> list:
         raise UsageError(f"--quant_calibration {where}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
         raise UsageError(f"--quant_calibration {where}: cannot read it ({e.strerror or e})") from None
-    windows = token_windows(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids), 512)[:64]
+    windows = windows_of(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids))
     if sum(len(w) for w in windows) < 2:
         raise UsageError(f"--quant_calibration {where}: the text has too few tokens")
     return windows

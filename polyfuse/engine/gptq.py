@@ -70,6 +70,19 @@ def record_hessians(model, windows: list[torch.Tensor], weights: dict) -> dict:
     return found
 
 
+# The token windows GPTQ records its Hessians on (run_generation.py's --quant_calibration, evaluate_perplexity.py's
+# +gptq): 512 tokens each, at most 64 of them (32768 tokens).
+CALIBRATION_WINDOW, CALIBRATION_WINDOWS = 512, 64
+
+
+def calibration_windows(ids: torch.Tensor) -> list[torch.Tensor]:
+    """1-D calibration token ids -> non-overlapping windows of CALIBRATION_WINDOW tokens (the last one shorter, none
+    of one token), at most CALIBRATION_WINDOWS."""
+    ids = ids[: CALIBRATION_WINDOW * CALIBRATION_WINDOWS]
+    windows = (ids[i : i + CALIBRATION_WINDOW] for i in range(0, len(ids), CALIBRATION_WINDOW))
+    return [w for w in windows if len(w) > 1]
+
+
 def dampening(k: int, tokens: int) -> float:
     """The fraction of H's mean diagonal added to its diagonal: AutoGPTQ's 1% (DAMP) with its hundreds of thousands
     of calibration tokens; more when the tokens are few against the K inputs (K / (4 tokens), at most 1). H from a
@@ -79,17 +92,33 @@ def dampening(k: int, tokens: int) -> float:
     return max(DAMP, min(1.0, k / (4.0 * max(tokens, 1))))
 
 
-def _inverse_hessian_factor(h: torch.Tensor, w: torch.Tensor, damp: float) -> torch.Tensor:
-    """The upper Cholesky factor of the dampened H's inverse (float64); dead columns of ``w`` (zero diagonal) are
-    zeroed in place and get a unit diagonal."""
+def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the upper Cholesky factor of the dampened H's inverse, float64; the dead inputs: zero diagonal, given a unit
+    diagonal here and zero weight by the caller)."""
     h = h.clone()
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
     idx = torch.arange(h.shape[0], device=h.device)
     h[idx, idx] += damp * torch.diagonal(h).mean()
     inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
-    return torch.linalg.cholesky(inv, upper=True)
+    return torch.linalg.cholesky(inv, upper=True), dead
+
+
+class HessianFactor:
+    """One projection's H [K, K] from ``tokens`` calibration inputs, factored on first use and kept: the parts of a
+    fused projection (q / k / v, gate / up) share their input, so they share H and its factor (one Cholesky
+    factorization and inverse per projection, not per part). The float32 H is dropped once factored."""
+
+    def __init__(self, h: torch.Tensor, tokens: int = 0):
+        self.h, self.tokens, self.k = h, tokens, h.shape[0]
+        self.u = self.dead = None
+
+    def get(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.u is None:
+            damp = dampening(self.k, self.tokens) if self.tokens else DAMP
+            self.u, self.dead = _inverse_hessian_factor(self.h.to(device, torch.float64), damp)
+            self.h = None
+        return self.u.to(device), self.dead.to(device)
 
 
 # Column rounders: col (float64 [N]) -> (its stored codes, the float64 values they stand for). Each rounding is decided
@@ -124,10 +153,11 @@ CODE_DTYPES = {"int4": torch.int32, "int8": torch.int8, "fp8": FP8}
 
 
 @torch.no_grad()
-def gptq_components(fmt: str, w: torch.Tensor, group_size: int, h: torch.Tensor, tokens: int = 0
+def gptq_components(fmt: str, w: torch.Tensor, group_size: int, h=None, tokens: int = 0
                     ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``quantize_components``'s buffers for the float weight w [N, K] quantized by GPTQ with H [K, K], the sum of
-    x x^T over ``tokens`` calibration inputs (0: many, AutoGPTQ's 1% dampening)."""
+    x x^T over ``tokens`` calibration inputs (0: many, AutoGPTQ's 1% dampening); ``h`` may be a HessianFactor that
+    the parts of one fused projection share."""
     if fmt not in GPTQ_FORMATS:
         raise ValueError(f"GPTQ quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
     home = w.device
@@ -135,7 +165,9 @@ def gptq_components(fmt: str, w: torch.Tensor, group_size: int, h: torch.Tensor,
     # no float64)
     w = w.detach().to("cpu" if home.type != "cuda" else home, torch.float64, copy=True)
     n, k = w.shape
-    u = _inverse_hessian_factor(h.to(w.device, torch.float64), w, dampening(k, tokens) if tokens else DAMP)
+    factor = h if isinstance(h, HessianFactor) else HessianFactor(h, tokens)
+    u, dead = factor.get(w.device)
+    w[:, dead] = 0.0
     codes = torch.empty(n, k, dtype=CODE_DTYPES[fmt], device=w.device)
     if fmt == "int4":
         g = min(group_size, k)

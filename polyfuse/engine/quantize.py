@@ -39,7 +39,7 @@ from torch import nn
 
 from polyfuse.core.errors import CheckpointError
 from polyfuse.engine.generation import forget_steppers
-from polyfuse.engine.gptq import GPTQ_FORMATS, gptq_components, record_hessians
+from polyfuse.engine.gptq import GPTQ_FORMATS, HessianFactor, gptq_components, record_hessians
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
@@ -527,7 +527,7 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
         if hessians is not None:
             if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
                 h, tokens = hessians.pop(lin.weight.data_ptr())
-                quantize = functools.partial(gptq_components, h=h, tokens=tokens)
+                quantize = functools.partial(gptq_components, h=HessianFactor(h, tokens))  # one per projection
             else:  # the calibration forward never called it
                 unreached.append(name)
         _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP, quantize))
