@@ -52,7 +52,7 @@ sig = dict(X="*bf16", QW="*i32", QZ="*i32", S="*bf16", B="*bf16", Y="*bf16", WS=
            K8="i32", G_SIZE="i32", sx_m="i32", sy_m="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
            SPLIT="i32")
 for fp16 in (False, True):
-    consts = dict(HAS_BIAS=False, BLOCK_N=256, STAGES=3, PDL=False, ASM=True, FP16=fp16, XBLOCK=128, PLANE_MAJOR=True)
+    consts = dict(HAS_BIAS=False, BLOCK_N=256, STAGES=3, PDL=False, ASM=True, FP16=fp16, XBLOCK=128)
     sig.update({k: "constexpr" for k in consts})
     if fp16:
         sig.update(X="*fp16", S="*fp16", B="*fp16", Y="*fp16")
@@ -126,15 +126,16 @@ def test_int8_permutes_give_the_interpreter_branch_numbers():
 
 
 def _emulate_plane_asm(asm: str, a: np.ndarray, b: np.ndarray) -> dict:
-    """Run gemv_gptq_mma._planes' PTX (prmt, shr, lop3 with the (x & y) | z table 0xEA) on word pairs (a, b)."""
+    """Run gemv_gptq_mma's plane PTX (prmt, shl / shr, lop3 with the (x & y) | z table 0xEA) on word pairs (a, b)."""
     regs = {}
     outs = {}
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if m := re.fullmatch(r"prmt\.b32 (\w+), \$8, \$9, (0x[0-9A-Fa-f]+)", line):
             regs[m.group(1)] = _prmt(a, b, int(m.group(2), 16))
-        elif m := re.fullmatch(r"shr\.u32 (\w+), (\w+), (\d+)", line):
-            regs[m.group(1)] = regs[m.group(2)] >> np.uint32(int(m.group(3)))
+        elif m := re.fullmatch(r"(shl\.b32|shr\.u32) (\w+), (\w+), (\d+)", line):
+            v, n = regs[m.group(3)], np.uint32(int(m.group(4)))
+            regs[m.group(2)] = (v << n) if m.group(1).startswith("shl") else (v >> n)
         elif m := re.fullmatch(r"lop3\.b32 \$(\d), (\w+), (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+), 0xEA", line):
             outs[int(m.group(1))] = (regs[m.group(2)] & np.uint32(int(m.group(3), 16))) | np.uint32(
                 int(m.group(4), 16)
@@ -145,21 +146,17 @@ def _emulate_plane_asm(asm: str, a: np.ndarray, b: np.ndarray) -> dict:
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
-def test_int4_mma_planes_give_offset_plus_nibble(fp16):
-    """Plane i of a word pair (the two words one 32-bit operand register holds) is (offset + nibble i) of each word
-    in its half: bf16 128 + q, fp16 1024 + q, exactly, as the interpreter branch computes them."""
+def test_int4_mma_planes_give_one_plus_nibble_over_16(fp16):
+    """Plane i of a word pair (the two words one 32-bit operand register holds) is 1 + (nibble i) / 16 of each word
+    in its half, exactly (bf16 or fp16), as the interpreter branch computes it."""
     from polyfuse.backends.triton import gemv_gptq_mma
 
-    src = inspect.getsource(gemv_gptq_mma._planes.fn)
-    asms = re.findall(r'asm="""(.*?)"""', src, re.S)
-    assert len(asms) == 2
-    asm = asms[0] if fp16 else asms[1]
+    asm = (gemv_gptq_mma._PLANES_FP16 if fp16 else gemv_gptq_mma._PLANES_BF16).value
     rng = np.random.default_rng(2)
     a, b = (rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
     a[:2], b[:2] = [0, 0xFFFFFFFF], [0xFFFFFFFF, 0x12345678]
     outs = _emulate_plane_asm(asm, a, b)
     assert sorted(outs) == list(range(8))
-    off = 1024 if fp16 else 128
 
     def value(bits16):  # fp16 through numpy; bf16 is the top half of a float32
         if fp16:
@@ -168,5 +165,6 @@ def test_int4_mma_planes_give_offset_plus_nibble(fp16):
 
     for i in range(8):
         lo, hi = value(outs[i] & np.uint32(0xFFFF)), value(outs[i] >> np.uint32(16))
-        assert np.array_equal(lo, off + ((a >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)), i
-        assert np.array_equal(hi, off + ((b >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)), i
+        for got, w in ((lo, a), (hi, b)):
+            q = ((w >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)
+            assert np.array_equal(got, 1 + q / 16), i

@@ -176,8 +176,9 @@ _COUNTERS: dict = {}
 
 def counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per output tile (GEMM) or column block (GEMV), kept per device; every launch leaves
-    them zero again. Allocated once at a size the split rules never exceed (they split only when the tiles number
-    fewer than two per SM), so a CUDA graph that captured them keeps valid pointers."""
+    them zero again. Allocated once with at least 16384 entries (more column blocks or tiles than any Llama
+    projection's launch has: the 8B LM head at 8 columns per block is 16032), so a CUDA graph that captured them keeps
+    valid pointers."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         buf = _COUNTERS[device] = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)

@@ -1,25 +1,26 @@
 """int4 weights in AutoGPTQ's layout times 2..16 rows (batch decode), the products on the tensor cores.
 
 The CUDA-core kernels (gemv_gptq.py for one row, gemm_gptq.py for more) spend several instructions per weight (a
-byte permute and an FMA, or a float dequantization and a rounding, per weight); here a weight costs one logic
+byte permute and an FMA, or a float dequantization and a rounding, per weight); here a weight costs about one logic
 instruction. qweight [K/8, N] words are copied to shared memory by the software pipeline and read back in the tensor
 core's operand layout (Triton hoists the decode past the layout change: two consecutive words per register pair),
-where one byte permute per two words and a shift + LOP3 per two weights turn nibble i of both words into the bf16
-pair (128 + q) (exact: q sits under the exponent of 128 as the low mantissa bits; fp16 activations: 1024 + q). Each
-128-weight tile is eight [16, 16] x [16, BLOCK_N] products, one per nibble plane (plane i holds the weights
-k = 8 k8 + i; the other operand holds the call's rows, zeros below), so the sum over the tile is sum (offset + q) x
-in float32. A tile lies in one group (the group size a multiple of 128): it is scaled by its column's scale; the
-offset and the zero come off once per group and column after the loop, as s (sum q x - z sum x) = s t -
-(offset + z) s sum x (AutoGPTQ's stored zero plus one). The dequantized weight is never rounded to the activations'
-dtype (as in the one-row GEMV).
+where one byte permute per two words and a shift + LOP3 per two weights put nibble i of both words under the top
+mantissa bits of 1.0: the bf16 (or fp16) pair 1 + q / 16, exact. Each 128-weight tile is eight [16, 16] x
+[16, BLOCK_N] products, one per nibble plane (plane i holds the weights k = 8 k8 + i; the other operand holds the
+call's rows, zeros below), so the tile's sum is t = sum (1 + q / 16) x in float32. A tile lies in one group (the
+group size a multiple of 128): it is scaled by its column's scale, and per group s (sum q x - z sum x) =
+16 s t - (16 + z) s sum x, the second term once per group and column after the loop (z: AutoGPTQ's stored zero plus
+one). The offset 1 against q / 16 <= 15/16 keeps the cancellation small (a few bits); with q in the low mantissa
+bits (128 + q in bf16, 1024 + q in fp16: the first version) fp16 activations with a nonzero mean lost accuracy over
+long K. The dequantized weight is never rounded to the activations' dtype (as in the one-row GEMV).
 
-Plane-major activations (PLANE_MAJOR, the default): a small kernel first rewrites each 128-wide tile of x plane by
-plane, so that plane i's 16 activations are contiguous and the main loop copies them with the weights through the
-pipeline; read in place, every eighth value, each plane's operand went through registers and shared memory with a
-barrier. On an H200 at 16 rows that took the 8B gate/up from 50.1 to 36.1 us and the decode at batch 16 from 3266 to
-4292 tok/s. SPLIT > 1 splits K over programs; the tile's last program adds the partials in split order
-(_qgemm.store_tile). Under the CPU interpreter (no bf16 products there) the planes and activations are float32: the
-same exact products. One row stays on gemv_gptq.py: it was as fast or faster there on every Llama projection.
+The activations are first rewritten plane by plane (_plane_major_kernel, one small launch), so that plane i's 16
+values are contiguous and ride the pipeline with the weights; read in place, every eighth value, each plane's operand
+went through registers and shared memory with a barrier. On an H200 at 16 rows that took the 8B gate/up from 50.1 to
+36.1 us and the decode at batch 16 from 3266 to 4292 tok/s (4237 with the final encoding, another call). SPLIT > 1 splits K over programs; the tile's last
+program adds the partials in split order (_qgemm.store_tile). Under the CPU interpreter (no bf16 products there) the
+planes and activations are float32: the same exact products. One row stays on gemv_gptq.py: it was as fast or
+faster there on every Llama projection.
 """
 
 import os
@@ -37,83 +38,51 @@ from polyfuse.backends.triton._rounding import PTX
 # POLYFUSE_INT4_MMA=0 (read at import; a module attribute, so benchmarks can switch it) keeps int4 on the CUDA-core
 # GEMV (gemv_gptq.py) and the dequantizing GEMM (gemm_gptq.py).
 ENABLED = os.environ.get("POLYFUSE_INT4_MMA", "1") != "0"
-# The activations permuted plane by plane first (_plane_major_kernel, one small launch) so that each plane's 16 values
-# are contiguous: a module attribute for A/B runs.
-PLANE_MAJOR = True
 TILE_K = 128  # weights along K per tile: 16 words of 8 nibbles (the mma's K of 16 per plane)
+
+
+def _planes_asm(mask: str, magic: str, shifts: tuple) -> str:
+    """PTX for pack 2 (two words per call, as the operand layout holds them): the low halves of both words side by
+    side (one permute), the high halves (another); plane i is ((half-pair shifted) & mask) | magic, a shift and a LOP3
+    per two weights (shifts[i]: positive left, negative right)."""
+    lines = ["{", ".reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for i, sh in enumerate(shifts):
+        for src, out in (("lo", i), ("hi", i + 4)):
+            op = f"shl.b32 t, {src}, {sh};" if sh >= 0 else f"shr.u32 t, {src}, {-sh};"
+            lines += [op, f"lop3.b32 ${out}, t, {mask}, {magic}, 0xEA;"]
+    return "\n".join(lines + ["}"])
+
+
+# Nibble i of a half word (bits 4i .. 4i + 3) moved under the top mantissa bits of 1.0: bf16 bits 3..6 of 0x3F80,
+# fp16 bits 6..9 of 0x3C00; either way the value is 1 + q / 16, exact.
+_PLANES_BF16 = tl.constexpr(_planes_asm("0x00780078", "0x3F803F80", (3, -1, -5, -9)))
+_PLANES_FP16 = tl.constexpr(_planes_asm("0x03C003C0", "0x3C003C00", (6, 2, -2, -6)))
 
 
 @triton.jit
 def _planes(words, ASM: tl.constexpr, FP16: tl.constexpr):
-    """The eight nibble planes of int32 words as exact (offset + q): bf16 128 + q (fp16: 1024 + q); float32 under
-    the interpreter. ASM (pack 2: two words per call, as the operand layout holds them) puts the low halves of both
-    words side by side with one permute, the high halves with another, then per plane a shift and one LOP3
-    ((v & 0x000F000F) | magic) give two weights."""
+    """The eight nibble planes of int32 words as the exact 1 + q / 16 (bf16 or fp16; float32 under the
+    interpreter). Plane i holds nibble i (bits 4i .. 4i + 3) of each word."""
     if ASM:
         if FP16:
             p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi;
-                prmt.b32 lo, $8, $9, 0x5410;
-                prmt.b32 hi, $8, $9, 0x7632;
-                lop3.b32 $0, lo, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $4, hi, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $1, lo, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $5, hi, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $2, lo, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $6, hi, 0x000F000F, 0x64006400, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $3, lo, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $7, hi, 0x000F000F, 0x64006400, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                args=[words],
-                dtype=(tl.float16,) * 8,
-                is_pure=True,
-                pack=2,
-            )
+                asm=_PLANES_FP16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                dtype=(tl.float16,) * 8, is_pure=True, pack=2,
+            )  # fmt: skip
         else:
             p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 lo, hi;
-                prmt.b32 lo, $8, $9, 0x5410;
-                prmt.b32 hi, $8, $9, 0x7632;
-                lop3.b32 $0, lo, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $4, hi, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $1, lo, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $5, hi, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $2, lo, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $6, hi, 0x000F000F, 0x43004300, 0xEA;
-                shr.u32 lo, lo, 4;
-                shr.u32 hi, hi, 4;
-                lop3.b32 $3, lo, 0x000F000F, 0x43004300, 0xEA;
-                lop3.b32 $7, hi, 0x000F000F, 0x43004300, 0xEA;
-                }""",
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r",
-                args=[words],
-                dtype=(tl.bfloat16,) * 8,
-                is_pure=True,
-                pack=2,
-            )
+                asm=_PLANES_BF16, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r,r", args=[words],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2,
+            )  # fmt: skip
     else:
-        off = 1024 if FP16 else 128
-        p0 = ((words & 15) + off).to(tl.float32)
-        p1 = (((words >> 4) & 15) + off).to(tl.float32)
-        p2 = (((words >> 8) & 15) + off).to(tl.float32)
-        p3 = (((words >> 12) & 15) + off).to(tl.float32)
-        p4 = (((words >> 16) & 15) + off).to(tl.float32)
-        p5 = (((words >> 20) & 15) + off).to(tl.float32)
-        p6 = (((words >> 24) & 15) + off).to(tl.float32)
-        p7 = (((words >> 28) & 15) + off).to(tl.float32)
+        p0 = (words & 15).to(tl.float32) * 0.0625 + 1.0
+        p1 = ((words >> 4) & 15).to(tl.float32) * 0.0625 + 1.0
+        p2 = ((words >> 8) & 15).to(tl.float32) * 0.0625 + 1.0
+        p3 = ((words >> 12) & 15).to(tl.float32) * 0.0625 + 1.0
+        p4 = ((words >> 16) & 15).to(tl.float32) * 0.0625 + 1.0
+        p5 = ((words >> 20) & 15).to(tl.float32) * 0.0625 + 1.0
+        p6 = ((words >> 24) & 15).to(tl.float32) * 0.0625 + 1.0
+        p7 = ((words >> 28) & 15).to(tl.float32) * 0.0625 + 1.0
     return p0, p1, p2, p3, p4, p5, p6, p7
 
 
@@ -144,7 +113,7 @@ def _plane_major_kernel(X, XP, K, sx_m, TILES: tl.constexpr, PDL: tl.constexpr):
 def _gemv_gptq_mma_kernel(
     X, QW, QZ, S, B, Y, WS, CNT, M, N, K8, G_SIZE, sx_m, sy_m, sq_k, sz_g, ss_g, k8_per_split, SPLIT,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, FP16: tl.constexpr, XBLOCK: tl.constexpr, PLANE_MAJOR: tl.constexpr,
+    ASM: tl.constexpr, FP16: tl.constexpr, XBLOCK: tl.constexpr,
 ):  # fmt: skip
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,23 +131,19 @@ def _gemv_gptq_mma_kernel(
         s = tl.load(S + ((k80 * 8) // G_SIZE) * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
         p0, p1, p2, p3, p4, p5, p6, p7 = _planes(words, ASM, FP16)
         xm = r_mask[:, None]
-        if PLANE_MAJOR:  # X holds each 128-wide tile plane by plane: plane i's 16 values are contiguous
-            xp = X + rows[:, None] * sx_m + k80 * 8 + kk8[None, :]
-            d = 16
-        else:  # plane i: every eighth value of the tile
-            xp = X + rows[:, None] * sx_m + k8[None, :] * 8
-            d = 1
+        xp = X + rows[:, None] * sx_m + k80 * 8 + kk8[None, :]  # X plane-major: plane i's 16 values contiguous
         t = tl.dot(_xtile(xp, xm, ASM), p0)
-        t = tl.dot(_xtile(xp + d, xm, ASM), p1, t)
-        t = tl.dot(_xtile(xp + 2 * d, xm, ASM), p2, t)
-        t = tl.dot(_xtile(xp + 3 * d, xm, ASM), p3, t)
-        t = tl.dot(_xtile(xp + 4 * d, xm, ASM), p4, t)
-        t = tl.dot(_xtile(xp + 5 * d, xm, ASM), p5, t)
-        t = tl.dot(_xtile(xp + 6 * d, xm, ASM), p6, t)
-        t = tl.dot(_xtile(xp + 7 * d, xm, ASM), p7, t)
+        t = tl.dot(_xtile(xp + 16, xm, ASM), p1, t)
+        t = tl.dot(_xtile(xp + 32, xm, ASM), p2, t)
+        t = tl.dot(_xtile(xp + 48, xm, ASM), p3, t)
+        t = tl.dot(_xtile(xp + 64, xm, ASM), p4, t)
+        t = tl.dot(_xtile(xp + 80, xm, ASM), p5, t)
+        t = tl.dot(_xtile(xp + 96, xm, ASM), p6, t)
+        t = tl.dot(_xtile(xp + 112, xm, ASM), p7, t)
         acc += t * s[None, :]
-    # the offset and the zero, once per group and column: (offset + z) s sum x over this split's part of the group
-    off = 1024.0 if FP16 else 128.0
+    # t = sum (1 + q / 16) x per tile, so a group's s (sum q x - z sum x) = 16 s t - (16 + z) s sum x: the second
+    # term once per group and column, from the group's activation sum over this split's part of it
+    acc = acc * 16.0
     k_lo = k8_start * 8
     k_hi = k8_end * 8
     xb = tl.arange(0, XBLOCK)
@@ -192,7 +157,7 @@ def _gemv_gptq_mma_kernel(
         s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
         zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
         z = (((zw >> zshift) & 15) + 1).to(tl.float32)
-        acc -= tl.sum(xg, axis=1)[:, None] * ((off + z) * s)[None, :]
+        acc -= tl.sum(xg, axis=1)[:, None] * ((16.0 + z) * s)[None, :]
     store_tile(acc, Y, B, WS, CNT, rows, n, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, 16, BLOCK_N)
 
 
@@ -206,18 +171,22 @@ def accepts(x: torch.Tensor, up, qw) -> bool:
     """Whether this kernel takes the call: 2..16 rows, in-order groups of a multiple of 128 weights, K a multiple of
     128, no SwiGLU fold, fp16/bf16 activations, a GPU with bf16 tensor cores (sm80+) or the CPU interpreter."""
     n, k = qw.shape
-    if not ENABLED or up is not None or qw.act_order or qw.group_size % TILE_K or k % TILE_K:
+    if not ENABLED or up is not None or qw.act_order or qw.group_size <= 0 or qw.group_size % TILE_K or k % TILE_K:
+        return False
+    if torch.version.hip is not None:  # no PTX there, and the float32-plane path was never measured on ROCm
         return False
     if x.dtype not in (torch.bfloat16, torch.float16) or not MIN_ROWS <= x.numel() // k <= MAX_ROWS:
         return False
     return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None, plane_major=None):
+def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
     """x [M, K] (M <= 16, unit column stride) @ dequantize(qw).T -> [M, N] in x's dtype (+ bias); ``accepts``
     must hold."""
     n, k = qw.shape
     m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv_gptq_mma: 1..{MAX_ROWS} rows, not {m}")
     block_n, _, num_warps, num_stages = tiles or tiles_for("int4_mma", n, k)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
@@ -229,18 +198,16 @@ def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None, plane_major=None):
     ws = workspace(split, m, n, x.device)
     cnt = counters(x.device, grid_n)
     qweight, qzeros, scales = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales))
-    plane_major = PLANE_MAJOR if plane_major is None else plane_major
-    if plane_major:
-        xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
-        tiles_per_program = 8
-        _plane_major_kernel[(m, triton.cdiv(k // TILE_K, tiles_per_program))](
-            x, xp, k, x.stride(0), TILES=tiles_per_program, num_warps=4, **pdl_options(x.device)
-        )
-        x = xp
+    xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    tiles_per_program = 8
+    _plane_major_kernel[(m, triton.cdiv(k // TILE_K, tiles_per_program))](
+        x, xp, k, x.stride(0), TILES=tiles_per_program, num_warps=4, **pdl_options(x.device)
+    )
+    x = xp
     _gemv_gptq_mma_kernel[(grid_n, 1, split)](
         x, qweight, qzeros, scales, bias if bias is not None else y, y, ws, cnt, m, n, k8, qw.group_size,
         x.stride(0), y.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), per, split,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX, PLANE_MAJOR=plane_major,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX,
         FP16=x.dtype == torch.float16, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
