@@ -237,6 +237,13 @@ def test_split_k_counters_are_left_zero_and_results_repeat():
         assert int(_qgemv.counters(x.device, 1).abs().sum()) == 0
         assert torch.equal(kernel(row, None, q, bias, tiles=tiles, split=3), once)
         assert (once - ref).abs().max() <= 1e-5 * ref.abs().max(), kernel.__name__
+    # the int4 tensor-core kernel (16 rows, bf16): the same counters and split-order sum
+    from polyfuse.backends.triton.gemv_gptq_mma import gemv_gptq_mma
+
+    xb = x[:16].to(torch.bfloat16)
+    once = gemv_gptq_mma(xb, qw, bias.to(torch.bfloat16), tiles=(32, 128, 4, 2), split=3)
+    assert int(_qgemv.counters(x.device, 1).abs().sum()) == 0
+    assert torch.equal(gemv_gptq_mma(xb, qw, bias.to(torch.bfloat16), tiles=(32, 128, 4, 2), split=3), once)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
