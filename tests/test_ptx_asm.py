@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 from polyfuse.backends.triton import gemv_gptq, gemv_gptq_mma, gemv_scaled
 
 def compile_(fn, sig, consts):
-    args = [k for k in sig if sig[k] != "constexpr"]
+    sig = {name: sig[name] for name in fn.arg_names}  # the kernel's parameter order (older Tritons read it by position)
     attrs = {(i,): [["tt.divisibility", 16]] for i, k in enumerate(sig) if sig[k] != "constexpr"}
     src = ASTSource(fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
