@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from polyfuse.ops.quant_formats import FP8, FP8_MAX, int4_group_params, int8_row_scales, pack_int4
+from polyfuse.ops.quant_formats import FP8, FP8_MAX, fp8_row_scales, int4_group_params, int8_row_scales, pack_int4
 
 
 GPTQ_FORMATS = ("int4", "int8", "fp8")
@@ -175,7 +175,7 @@ def gptq_components(fmt: str, w: torch.Tensor, group_size: int, h=None, tokens: 
         zeros = torch.empty(math.ceil(k / g), n, dtype=torch.int32, device=w.device)
     else:  # per channel: the scales of the original rows (int8 with its clipping search), as round to nearest's
         g = k
-        scale = int8_row_scales(w.float()) if fmt == "int8" else (w.float().abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        scale = int8_row_scales(w.float()) if fmt == "int8" else fp8_row_scales(w.float())
         rnd = _int8_rounder(scale) if fmt == "int8" else _fp8_rounder(scale)
     block = g if g < k else BLOCK  # int4 groups start at block starts
     for b0 in range(0, k, block):

@@ -255,6 +255,11 @@ def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
     return best_scale
 
 
+def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
+    """Each row's e4m3 scale: its largest magnitude maps to 448."""
+    return (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+
+
 # Rows quantized at a time (about this many weights): on the CPU a chunk's temporaries stay in cache (int8's clipping
 # search makes ten passes over them); on a GPU one chunk is a whole projection of an 8B model.
 CHUNK_WEIGHTS = {"cpu": 1 << 18}
@@ -281,7 +286,7 @@ def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int) -> dict[str, torc
     if fmt == "int8":
         return _quantize_int8(w)
     if fmt == "fp8":
-        scale = (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+        scale = fp8_row_scales(w)
         return {"qweight": (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), "scales": scale}
     if fmt == "fp8_block":
         nb = math.ceil(k / FP8_BLOCK)

@@ -24,6 +24,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
     dense_rows,
+    int4_group_term,
     load_x,
     programs_per_sm,
     split_buffers,
@@ -141,10 +142,7 @@ def _gemv_gptq_kernel(
             xg = tl.zeros([XBLOCK], dtype=tl.float32)
             for c in range(g_lo, g_hi, XBLOCK):
                 xg += load_x(X, U, c + xb, c + xb < g_hi, SWIGLU)
-            s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
-            zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
-            z = (((zw >> zshift) & 15) + 1).to(tl.float32)
-            corr += (16.0 + z) * s * tl.sum(xg, axis=0)
+            corr += int4_group_term(S, QZ, g, n, n_mask, zshift, ss_g, sz_g) * tl.sum(xg, axis=0)
         acc = 8.0 * tl.sum(acc2, axis=0) - corr
     store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT)
 

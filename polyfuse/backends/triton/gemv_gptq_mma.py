@@ -31,7 +31,15 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemm import store_tile
-from polyfuse.backends.triton._qgemv import counters, dense_rows, programs_per_sm, split_k, tiles_for, workspace
+from polyfuse.backends.triton._qgemv import (
+    counters,
+    dense_rows,
+    int4_group_term,
+    programs_per_sm,
+    split_k,
+    tiles_for,
+    workspace,
+)
 from polyfuse.backends.triton._rounding import PTX
 
 
@@ -154,10 +162,7 @@ def _gemv_gptq_mma_kernel(
         for c in range(g_lo, g_hi, XBLOCK):
             cm = r_mask[:, None] & (c + xb < g_hi)[None, :]
             xg += tl.load(X + rows[:, None] * sx_m + c + xb[None, :], mask=cm, other=0.0).to(tl.float32)
-        s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
-        zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
-        z = (((zw >> zshift) & 15) + 1).to(tl.float32)
-        acc -= tl.sum(xg, axis=1)[:, None] * ((16.0 + z) * s)[None, :]
+        acc -= tl.sum(xg, axis=1)[:, None] * int4_group_term(S, QZ, g, n, n_mask, zshift, ss_g, sz_g)[None, :]
     store_tile(acc, Y, B, WS, CNT, rows, n, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, 16, BLOCK_N)
 
 
