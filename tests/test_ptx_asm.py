@@ -37,14 +37,14 @@ common = {"X": "*bf16", "U": "*bf16"}
 sig = dict(common, QW="*i32", QZ="*i32", S="*bf16", GI="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32",
            N="i32", K8="i32", G_SIZE="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32", SPLIT="i32")
 consts = dict(SWIGLU=False, ACT_ORDER=False, HAS_BIAS=False, BLOCK_N=512, BLOCK_K8=8, STAGES=3, PDL=False,
-              ASM=True, XBLOCK=128)
+              ASM=True, XBLOCK=128, PRE=1, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 8, "int4 permutes missing"
 sig = dict(common, W="*i8", S="*fp32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", sw_n="i32",
            ss_n="i32", k_per_split="i32", SPLIT="i32")
 consts = dict(SWIGLU=False, GROUP=0, FP8_BITS=False, INT8=True, HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,
-              STAGES=3, ASM=True, PDL=False)
+              STAGES=3, ASM=True, PDL=False, PRE=2, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_scaled._gemv_scaled_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 4, "int8 permutes missing"

@@ -246,6 +246,39 @@ def test_split_k_counters_are_left_zero_and_results_repeat():
     assert torch.equal(gemv_gptq_mma(xb, qw, bias.to(torch.bfloat16), tiles=(32, 128, 4, 2), split=3), once)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "fp8_block"])
+def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, monkeypatch):
+    """The one-row GEMVs' first one or two weight tiles, loaded before the PDL wait (_qgemv.prefetch_tiles), are
+    summed in the loop's order: the same bits as without, with one split or eleven (more than the last program's
+    unrolled tail loads at once) or 32 (a prefetched tile past the split's end), SwiGLU folded or not, and the
+    reference's numbers."""
+    from polyfuse.backends.triton import _qgemv
+    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+    from polyfuse.backends.triton.gemv_scaled import gemv_scaled
+
+    n, k = 40, 1024
+    q = quantized(fmt, n, k, "cpu")
+    kernel = gemv_gptq if fmt == "int4" else gemv_scaled
+    tiles = (16, 32, 4, 2) if fmt == "int4" else (8, 32, 4, 2)  # 32 tiles of K: 11 splits of 3
+    _, gate, up, bias = inputs(1, n, k, torch.float32, seed=3)
+    gate, up = gate.contiguous(), up.contiguous()
+    row = gate
+    assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == (2 if fmt == "int4" else 0)  # the defaults: int4 only
+    for split in (1, 11, 32):  # 32: one tile per split, the second prefetched tile masked off
+        for u in (None, up):
+            monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {})
+            plain = kernel(row, u, q, bias, tiles=tiles, split=split)
+            for budget, pre in ((1, 1), (64, 2)):
+                monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {fmt.split("_")[0] if fmt == "int4" else fmt: budget})
+                assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == pre
+                assert torch.equal(kernel(row, u, q, bias, tiles=tiles, split=split), plain), (split, pre)
+            a = row if u is None else F.silu(row.double()) * up.double()
+            ref = a.double() @ qf.dequantize(q).double().t() + bias.double()
+            assert (plain.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (split, u is None)
+    monkeypatch.setattr(_qgemv, "PREFETCH", False)
+    assert _qgemv.prefetch_tiles("int4", n, k, 1.0) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
     from polyfuse.backends.triton.dequant_mm import dequantize_q, linear_q

@@ -26,10 +26,12 @@ from polyfuse.backends.triton._qgemv import (
     dense_rows,
     int4_group_term,
     load_x,
+    prefetch_tiles,
     programs_per_sm,
     split_buffers,
     split_k,
     store_out,
+    tail_unroll,
     tiles_for,
 )
 from polyfuse.backends.triton._rounding import PTX
@@ -83,13 +85,29 @@ def _nibbles_f32(words, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tile_sum(words, X, U, S, k80, k8, k_mask, n, s_mask, G_SIZE, ss_g, SWIGLU: tl.constexpr, ASM: tl.constexpr):
+    """One [BLOCK_K8, BLOCK_N] tile of words starting at word row k80 (inside one group): sum_i (2 + q_i / 8) x_i
+    per word, times the group's scale of each column (s_mask: the columns whose scale is read)."""
+    s = tl.load(S + ((k80 * 8) // G_SIZE) * ss_g + n, mask=s_mask, other=0.0).to(tl.float32)
+    q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles_f32(words, ASM)
+    t = q0 * load_x(X, U, k8 * 8, k_mask, SWIGLU)[:, None]
+    t += q1 * load_x(X, U, k8 * 8 + 1, k_mask, SWIGLU)[:, None]
+    t += q2 * load_x(X, U, k8 * 8 + 2, k_mask, SWIGLU)[:, None]
+    t += q3 * load_x(X, U, k8 * 8 + 3, k_mask, SWIGLU)[:, None]
+    t += q4 * load_x(X, U, k8 * 8 + 4, k_mask, SWIGLU)[:, None]
+    t += q5 * load_x(X, U, k8 * 8 + 5, k_mask, SWIGLU)[:, None]
+    t += q6 * load_x(X, U, k8 * 8 + 6, k_mask, SWIGLU)[:, None]
+    t += q7 * load_x(X, U, k8 * 8 + 7, k_mask, SWIGLU)[:, None]
+    return t * s[None, :]
+
+
+@triton.jit
 def _gemv_gptq_kernel(
     X, U, QW, QZ, S, GI, B, Y, WS, CNT, N, K8, G_SIZE, sq_k, sz_g, ss_g, k8_per_split,
     SWIGLU: tl.constexpr, ACT_ORDER: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
     BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr, XBLOCK: tl.constexpr,
+    ASM: tl.constexpr, XBLOCK: tl.constexpr, PRE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     zshift = (n % 8) * 4
@@ -97,6 +115,23 @@ def _gemv_gptq_kernel(
     k8_end = tl.minimum(K8, k8_start + k8_per_split)
     kk8 = tl.arange(0, BLOCK_K8)
     acc2 = tl.zeros([BLOCK_K8, BLOCK_N], dtype=tl.float32)
+    # PRE (0..2) tiles of weights loaded before the PDL wait (no kernel before this one writes them, and they bypass
+    # L1): they stream while the kernel before still runs; summed after it, in the same order as the loop would (a
+    # tile wholly past the split's end reads no scale: its group may lie past the last)
+    k8a = k8_start + kk8
+    k8b = k8a + BLOCK_K8
+    if PRE >= 1:
+        wa = tl.load(QW + k8a[:, None] * sq_k + n[None, :], mask=(k8a < k8_end)[:, None] & n_mask[None, :], other=0,
+                     cache_modifier=".cg")  # fmt: skip
+    if PRE >= 2:
+        wb = tl.load(QW + k8b[:, None] * sq_k + n[None, :], mask=(k8b < k8_end)[:, None] & n_mask[None, :], other=0,
+                     cache_modifier=".cg")  # fmt: skip
+    wait_prior(PDL)
+    if PRE >= 1:
+        acc2 += _tile_sum(wa, X, U, S, k8_start, k8a, k8a < k8_end, n, n_mask, G_SIZE, ss_g, SWIGLU, ASM)
+    if PRE >= 2:
+        live = n_mask & (n * 0 + k8_start + BLOCK_K8 < k8_end)
+        acc2 += _tile_sum(wb, X, U, S, k8_start + BLOCK_K8, k8b, k8b < k8_end, n, live, G_SIZE, ss_g, SWIGLU, ASM)
     if ACT_ORDER:
         for k80 in range(k8_start, k8_end, BLOCK_K8):
             k8 = k80 + kk8
@@ -114,22 +149,11 @@ def _gemv_gptq_kernel(
                 acc2 += (q - z).to(tl.float32) * s * x[:, None]
         acc = tl.sum(acc2, axis=0)
     else:
-        for k80 in tl.range(k8_start, k8_end, BLOCK_K8, num_stages=STAGES):
+        for k80 in tl.range(k8_start + PRE * BLOCK_K8, k8_end, BLOCK_K8, num_stages=STAGES):
             k8 = k80 + kk8
             k_mask = k8 < k8_end
             words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0)
-            g = (k80 * 8) // G_SIZE
-            s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
-            q0, q1, q2, q3, q4, q5, q6, q7 = _nibbles_f32(words, ASM)
-            t = q0 * load_x(X, U, k8 * 8, k_mask, SWIGLU)[:, None]
-            t += q1 * load_x(X, U, k8 * 8 + 1, k_mask, SWIGLU)[:, None]
-            t += q2 * load_x(X, U, k8 * 8 + 2, k_mask, SWIGLU)[:, None]
-            t += q3 * load_x(X, U, k8 * 8 + 3, k_mask, SWIGLU)[:, None]
-            t += q4 * load_x(X, U, k8 * 8 + 4, k_mask, SWIGLU)[:, None]
-            t += q5 * load_x(X, U, k8 * 8 + 5, k_mask, SWIGLU)[:, None]
-            t += q6 * load_x(X, U, k8 * 8 + 6, k_mask, SWIGLU)[:, None]
-            t += q7 * load_x(X, U, k8 * 8 + 7, k_mask, SWIGLU)[:, None]
-            acc2 += t * s[None, :]
+            acc2 += _tile_sum(words, X, U, S, k80, k8, k_mask, n, n_mask, G_SIZE, ss_g, SWIGLU, ASM)
         # t = sum (2 + q / 8) x per tile, so a group's s (sum q x - z sum x) = 8 s t - (16 + z) s sum x: the second
         # term per group from the group's activation sum (this split's part of it), once per column
         corr = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -144,7 +168,7 @@ def _gemv_gptq_kernel(
                 xg += load_x(X, U, c + xb, c + xb < g_hi, SWIGLU)
             corr += int4_group_term(S, QZ, g, n, n_mask, zshift, ss_g, sz_g) * tl.sum(xg, axis=0)
         acc = 8.0 * tl.sum(acc2, axis=0) - corr
-    store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT)
+    store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
 def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
@@ -165,12 +189,14 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     split = triton.cdiv(k8, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
+    pre = 0 if act_order else prefetch_tiles("int4", n, k, block_k8 * block_n / (32 * num_warps))
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
     _gemv_gptq_kernel[(grid_n, split)](
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, PRE=pre,
+        UNROLL=tail_unroll(block_n, num_warps), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
     return y

@@ -23,10 +23,12 @@ from polyfuse.backends.triton._qgemv import (
     e4m3_to_f32,
     load_x,
     no_fp8_cvt,
+    prefetch_tiles,
     programs_per_sm,
     split_buffers,
     split_k,
     store_out,
+    tail_unroll,
     tiles_for,
 )
 from polyfuse.backends.triton._rounding import PTX
@@ -70,13 +72,27 @@ def _to_f32(w, FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tile_acc(w, acc2, acc, X, U, S, n, s_mask, k0, k, k_mask, ss_n, SWIGLU: tl.constexpr, GROUP: tl.constexpr,
+              FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of weights at column k0 into the accumulators: per channel acc2 += w x, per
+    block acc += s * sum(w x) (a tile lies inside one block; s_mask: the rows whose block scale is read)."""
+    x = load_x(X, U, k, k_mask, SWIGLU)
+    wf = _to_f32(w, FP8_BITS, INT8, ASM)
+    if GROUP == 0:
+        acc2 += wf * x[None, :]
+    else:
+        s = tl.load(S + n * ss_n + k0 // GROUP, mask=s_mask, other=0.0)
+        acc += tl.sum(wf * x[None, :], axis=1) * s
+    return acc2, acc
+
+
+@triton.jit
 def _gemv_scaled_kernel(
     X, U, W, S, B, Y, WS, CNT, N, K, sw_n, ss_n, k_per_split,
     SWIGLU: tl.constexpr, GROUP: tl.constexpr, FP8_BITS: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PRE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
-    wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k_start = tl.program_id(1) * k_per_split
@@ -84,20 +100,34 @@ def _gemv_scaled_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+    # PRE (0..2) tiles of weights loaded before the PDL wait, as in gemv_gptq.py: they stream while the kernel
+    # before this one still runs, and are summed after it in the loop's order (a tile wholly past the split's end
+    # reads no scale: its block may lie past the row's last)
+    ka = k_start + kk
+    kb = ka + BLOCK_K
+    if PRE >= 1:
+        wa = tl.load(W + n[:, None] * sw_n + ka[None, :], mask=n_mask[:, None] & (ka < k_end)[None, :], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    if PRE >= 2:
+        wb = tl.load(W + n[:, None] * sw_n + kb[None, :], mask=n_mask[:, None] & (kb < k_end)[None, :], other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    wait_prior(PDL)
+    if PRE >= 1:
+        acc2, acc = _tile_acc(wa, acc2, acc, X, U, S, n, n_mask, k_start, ka, ka < k_end, ss_n, SWIGLU, GROUP,
+                              FP8_BITS, INT8, ASM)  # fmt: skip
+    if PRE >= 2:
+        live = n_mask & (n * 0 + k_start + BLOCK_K < k_end)
+        acc2, acc = _tile_acc(wb, acc2, acc, X, U, S, n, live, k_start + BLOCK_K, kb, kb < k_end, ss_n, SWIGLU,
+                              GROUP, FP8_BITS, INT8, ASM)  # fmt: skip
+    for k0 in tl.range(k_start + PRE * BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         k_mask = k < k_end
         w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = load_x(X, U, k, k_mask, SWIGLU)
-        wf = _to_f32(w, FP8_BITS, INT8, ASM)
-        if GROUP == 0:
-            acc2 += wf * x[None, :]
-        else:
-            s = tl.load(S + n * ss_n + k0 // GROUP, mask=n_mask, other=0.0)
-            acc += tl.sum(wf * x[None, :], axis=1) * s
+        acc2, acc = _tile_acc(w, acc2, acc, X, U, S, n, n_mask, k0, k, k_mask, ss_n, SWIGLU, GROUP, FP8_BITS, INT8,
+                              ASM)  # fmt: skip
     if GROUP == 0:
         acc = tl.sum(acc2, axis=1) * tl.load(S + n, mask=n_mask, other=0.0)
-    store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT)
+    store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
 def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
@@ -120,11 +150,13 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     split = triton.cdiv(k, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
+    pre = prefetch_tiles(qw.format, n, k, block_n * block_k / (4 * 32 * num_warps))  # 4 weights a register
     _gemv_scaled_kernel[(grid_n, split)](
         x, up if up is not None else x, w, scales, bias if bias is not None else y, y, ws, cnt, n, k, w.stride(0),
         scales.stride(0), per,
         SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), INT8=qw.format == "int8",
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
-        ASM=PTX, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        ASM=PTX, PRE=pre, UNROLL=tail_unroll(block_n, num_warps), num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device),
     )  # fmt: skip
     return y
