@@ -5,8 +5,10 @@ idles while the next grid is launched and its blocks placed. With PDL a kernel i
 stream serialization" attribute: its blocks may be placed while the kernel before it still runs, and each waits
 (``griddepcontrol.wait``) until that kernel has finished and its writes are visible, before touching memory. A
 kernel then lets its own dependents launch (``griddepcontrol.launch_dependents``) once it has passed its wait, so at
-most one grid waits ahead. Every kernel launched this way waits before its first load or store, so the order of
-memory effects is the stream's, as without PDL; a kernel launched without the attribute (cuBLAS, torch's) keeps
+most one grid waits ahead. Every kernel launched this way waits before its first load of anything a kernel before it
+may write and before its first store, so the order of memory effects is the stream's, as without PDL; the one
+exception is the one-row GEMVs' weights (``_qgemv.prefetch_tiles``: int4 loads its first weight tiles before the
+wait, as nothing writes a weight during generation). A kernel launched without the attribute (cuBLAS, torch's) keeps
 plain stream order, and a PDL kernel after it waits for it whole.
 
 Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, RMSNorm and

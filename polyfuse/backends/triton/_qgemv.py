@@ -113,28 +113,37 @@ TILES = {
 # gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Session 11's sweep found 16 x 256 / 16 x 512
 # tiles 1-3 us faster per call for qkv, o and down, but the graphed decode was not: 381.8-382.0 against 383.1-383.6
 # tok/s (int8), 387.9-388.2 against 389.3-389.5 (fp8), three alternating passes on one model: kept as they are.
+# Session 12 again, with smaller programs (1-2 warps, 4-16 columns) and 2-16 per SM: 8B qkv 9.58 -> 8.91 us, o 8.54
+# -> 7.18, down 20.16 -> 16.85, LM head 136.87 -> 120.35 (int8; fp8 alike), yet the decode was slower: 383.3 against
+# 388.5 tok/s (int8), 393.4 against 396.4 (fp8), four alternating passes: kept as they are.
 # Llama-2-70B (run 24): int8 o 20.14 -> 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55,
 # gate/up 116.65 -> 111.36, down 57.65 -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its
 # format tile 512 x 64 is the least summed over both models; the same tile measured 4-9% apart between passes of one
-# call): 8B o 9.29 at 2 stages, gate/up 31.38 (36.20 with the format tile); 70B o 20.79 (23.34), gate/up 105.53
-# (122.33), down 57.78 (61.14); session 11, with PROGRAMS_PER_SM below: 8B LM head 99.3 (138.8), 70B gate/up 94.2
-# (117.5).
+# call). int4 since session 12 (weights loaded before the PDL wait, prefetch_tiles): tile and programs per SM swept
+# together in three rounds, smaller programs and more of them per SM each time (1-warp programs of 128-512 columns
+# at 16-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch
+# -> these: 8B qkv 12.41 -> 9.53, o 8.08 -> 7.83, gate/up 27.98 -> 25.77, down 23.94 -> 16.94, LM head 95.94 ->
+# 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
+# same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
 SHAPE_TILES = {
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 28672, 4096): (32, 256, 4, 3),
-    ("int4", 4096, 4096): (512, 64, 4, 2),
-    ("int4", 28672, 4096): (2048, 16, 4, 2),
-    ("int4", 128256, 4096): (1024, 32, 4, 3),
+    ("int4", 6144, 4096): (256, 128, 4, 2),
+    ("int4", 4096, 4096): (128, 64, 1, 2),
+    ("int4", 28672, 4096): (256, 32, 1, 2),
+    ("int4", 4096, 14336): (128, 64, 1, 2),
+    ("int4", 128256, 4096): (512, 16, 1, 2),
     ("int8", 8192, 8192): (16, 512, 4, 3),
     ("int8", 57344, 8192): (16, 512, 4, 4),
     ("int8", 8192, 28672): (16, 512, 4, 3),
     ("fp8", 8192, 8192): (16, 512, 4, 3),
     ("fp8", 57344, 8192): (8, 2048, 4, 4),
     ("fp8", 8192, 28672): (8, 1024, 4, 3),
-    ("int4", 8192, 8192): (1024, 32, 8, 3),
-    ("int4", 57344, 8192): (1024, 32, 4, 3),
-    ("int4", 8192, 28672): (1024, 32, 4, 3),
+    ("int4", 10240, 8192): (256, 32, 2, 2),
+    ("int4", 8192, 8192): (128, 64, 1, 2),
+    ("int4", 57344, 8192): (512, 16, 1, 2),
+    ("int4", 8192, 28672): (128, 64, 1, 2),
     # the int4 tensor-core kernel at 16 rows, activations plane-major (session 11's sweep; us, against the format tile
     # 256 x 128 x 4 warps x 3 stages at two programs per SM where it differs): 8B qkv 15.64, o 13.40, down 29.34;
     # 70B qkv 34.82, o 30.66 (gate/up, down and the LM head: the format tile, PROGRAMS_PER_SM below)
@@ -150,11 +159,17 @@ SHAPE_TILES = {
 # more loads in flight: 8B gate/up 30.2 us at 4 (37.9 at 2), LM head 99.3 at 8 (138.8 at 2, 512 x 64), 70B gate/up
 # 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows, plane-major activations, with the tiles
 # above): 8B qkv 15.64 us, down 29.34, LM head 124.44; 70B qkv 34.82, o 30.66, gate/up 113.96, down 76.14. int8 /
-# fp8: no split beat the default.
+# fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these.
 PROGRAMS_PER_SM = {
-    ("int4", 28672, 4096): 4,
-    ("int4", 128256, 4096): 8,
-    ("int4", 57344, 8192): 8,
+    ("int4", 6144, 4096): 4,
+    ("int4", 4096, 4096): 8,
+    ("int4", 28672, 4096): 16,
+    ("int4", 4096, 14336): 16,
+    ("int4", 128256, 4096): 32,
+    ("int4", 10240, 8192): 8,
+    ("int4", 8192, 8192): 16,
+    ("int4", 57344, 8192): 24,
+    ("int4", 8192, 28672): 16,
     ("int4_mma", 6144, 4096): 4,
     ("int4_mma", 4096, 14336): 4,
     ("int4_mma", 128256, 4096): 4,
@@ -166,7 +181,9 @@ PROGRAMS_PER_SM = {
 # 32-bit registers per thread that a one-row GEMV fills with weights before its PDL wait (prefetch_tiles), per format,
 # and per projection where that differs. Measured on one H200 (session 12, decode batch 1, the same model with and
 # without, alternating): int4 on every projection 363.8 against 344.3 tok/s (8B), 62.9 against 59.6 (70B); int8 and
-# fp8 on every projection 384.1 against 388.8 and 375.5 against 395.4: off. POLYFUSE_GEMV_PREFETCH=0 turns it off.
+# fp8 on every projection 384.1 against 388.8 and 375.5 against 395.4, on 8B qkv / o / down only 384.4 against 388.5
+# and 391.5 against 395.3, fp8 on 70B qkv (and o) 55.6-56.5 (56.2) against 56.5: off. POLYFUSE_GEMV_PREFETCH=0 turns
+# it off.
 PREFETCH_REGS = {"int4": 32}
 PREFETCH_SHAPES: dict = {}
 PREFETCH = os.environ.get("POLYFUSE_GEMV_PREFETCH", "1") != "0"
