@@ -41,6 +41,11 @@ consts = dict(SWIGLU=False, ACT_ORDER=False, HAS_BIAS=False, BLOCK_N=512, BLOCK_
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 8, "int4 permutes missing"
+# with PDL (a Triton that has it): the early weight tile is loaded before griddepcontrol.wait
+ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, dict(consts, PDL=True))
+if "griddepcontrol.wait" in ptx:
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global.cg" in ptx[:wait], "the early weight tile is not loaded before the wait"
 sig = dict(common, W="*i8", S="*fp32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32", K="i32", sw_n="i32",
            ss_n="i32", k_per_split="i32", SPLIT="i32")
 consts = dict(SWIGLU=False, GROUP=0, FP8_BITS=False, INT8=True, HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,

@@ -246,35 +246,51 @@ def test_split_k_counters_are_left_zero_and_results_repeat():
     assert torch.equal(gemv_gptq_mma(xb, qw, bias.to(torch.bfloat16), tiles=(32, 128, 4, 2), split=3), once)
 
 
+def _scales_with_nan_past_the_end(q):
+    """``q`` with its scales a view into a tensor whose next group (int4: row; fp8_block: column) is NaN: a kernel
+    that reads a scale past the last group or block gives NaN."""
+    s = q.scales
+    if q.format == "int4":
+        padded = torch.cat([s, torch.full_like(s[:1], float("nan"))])[: s.shape[0]]
+    elif q.format == "fp8_block":
+        padded = torch.cat([s, torch.full_like(s[:, :1], float("nan"))], dim=1)[:, : s.shape[1]]
+    else:
+        return q
+    return dataclasses.replace(q, scales=padded)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "fp8_block"])
-def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, monkeypatch):
+def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, monkeypatch):
     """The one-row GEMVs' first one or two weight tiles, loaded before the PDL wait (_qgemv.prefetch_tiles), are
-    summed in the loop's order: the same bits as without, with one split or eleven (more than the last program's
-    unrolled tail loads at once) or 32 (a prefetched tile past the split's end), SwiGLU folded or not, and the
-    reference's numbers."""
+    summed in the loop's order: the same bits as without, with one split, eleven (more than the last program's
+    unrolled tail loads at once) or 32 (a prefetched tile past the split's end, whose scale must not be read: the
+    scales past the last group are NaN here), N not a multiple of the column block, SwiGLU folded or not, and the
+    reference's numbers. On the GPU (``-m cuda``) the compiled kernels, in inference mode (PDL on Hopper)."""
     from polyfuse.backends.triton import _qgemv
     from polyfuse.backends.triton.gemv_gptq import gemv_gptq
     from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
-    n, k = 40, 1024
-    q = quantized(fmt, n, k, "cpu")
+    n, k = (40 if fmt == "int4" else 44), 1024  # column blocks of 16 / 8: the last one partial
+    q = _scales_with_nan_past_the_end(quantized(fmt, n, k, device))
     kernel = gemv_gptq if fmt == "int4" else gemv_scaled
     tiles = (16, 32, 4, 2) if fmt == "int4" else (8, 32, 4, 2)  # 32 tiles of K: 11 splits of 3
-    _, gate, up, bias = inputs(1, n, k, torch.float32, seed=3)
+    _, gate, up, bias = (t.to(device) for t in inputs(1, n, k, torch.float32, seed=3))
     gate, up = gate.contiguous(), up.contiguous()
-    row = gate
     assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == (2 if fmt == "int4" else 0)  # the defaults: int4 only
-    for split in (1, 11, 32):  # 32: one tile per split, the second prefetched tile masked off
-        for u in (None, up):
-            monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {})
-            plain = kernel(row, u, q, bias, tiles=tiles, split=split)
-            for budget, pre in ((1, 1), (64, 2)):
-                monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {fmt.split("_")[0] if fmt == "int4" else fmt: budget})
-                assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == pre
-                assert torch.equal(kernel(row, u, q, bias, tiles=tiles, split=split), plain), (split, pre)
-            a = row if u is None else F.silu(row.double()) * up.double()
-            ref = a.double() @ qf.dequantize(q).double().t() + bias.double()
-            assert (plain.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (split, u is None)
+    w = qf.dequantize(dataclasses.replace(q, scales=quantized(fmt, n, k, device).scales)).double()
+    with torch.inference_mode():
+        for split in (1, 11, 32):
+            for u in (None, up):
+                monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {})
+                plain = kernel(gate, u, q, bias, tiles=tiles, split=split)
+                for budget, pre in ((1, 1), (64, 2)):
+                    monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {fmt: budget})
+                    assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == pre
+                    assert torch.equal(kernel(gate, u, q, bias, tiles=tiles, split=split), plain), (split, pre)
+                a = gate.double() if u is None else F.silu(gate.double()) * up.double()
+                ref = a @ w.t() + bias.double()
+                assert (plain.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (split, u is None)
     monkeypatch.setattr(_qgemv, "PREFETCH", False)
     assert _qgemv.prefetch_tiles("int4", n, k, 1.0) == 0
 

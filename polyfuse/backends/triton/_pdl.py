@@ -8,10 +8,12 @@ kernel then lets its own dependents launch (``griddepcontrol.launch_dependents``
 most one grid waits ahead. Every kernel launched this way waits before its first load of anything a kernel before it
 may write and before its first store, so the order of memory effects is the stream's, as without PDL; the one
 exception is the one-row GEMVs' weights (``_qgemv.prefetch_tiles``: int4 loads its first weight tiles before the
-wait, as nothing writes a weight during generation). A kernel launched without the attribute (cuBLAS, torch's) keeps
+wait, as no kernel launched just before a GEMV writes its weights; a weight the launcher has just copied into dense
+rows is not loaded early). A kernel launched without the attribute (cuBLAS, torch's) keeps
 plain stream order, and a PDL kernel after it waits for it whole.
 
-Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, RMSNorm and
+Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, but for
+their early weight tiles; RMSNorm and
 add+RMSNorm, rotary + cache write, decode attention, SwiGLU), launched with ``**pdl_options(device)``. That gives
 PDL on NVIDIA GPUs of compute capability 9.0 or more, under ``torch.inference_mode`` (generation, prefill and decode:
 what has been measured and checked on an H200; training launches plainly), with a Triton that has PDL (3.4 and

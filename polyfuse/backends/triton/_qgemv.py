@@ -74,8 +74,8 @@ def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT, UNR
 
 
 def tail_unroll(block_n: int, num_warps: int) -> int:
-    """Partials the split's last program loads at once: 8, or 4 (what LLVM made of the plain loop) where a program's
-    columns per thread would hold more than 64 registers of them."""
+    """Partials the split's last program loads at once: 8, fewer (at least 4, what LLVM made of the plain loop) where
+    a program's columns per thread would hold more than 64 registers of them."""
     per_thread = max(1, block_n // (32 * num_warps))
     return max(4, min(8, 64 // per_thread))
 
@@ -121,7 +121,7 @@ TILES = {
 # format tile 512 x 64 is the least summed over both models; the same tile measured 4-9% apart between passes of one
 # call). int4 since session 12 (weights loaded before the PDL wait, prefetch_tiles): tile and programs per SM swept
 # together in three rounds, smaller programs and more of them per SM each time (1-warp programs of 128-512 columns
-# at 16-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch
+# at 8-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch
 # -> these: 8B qkv 12.41 -> 9.53, o 8.08 -> 7.83, gate/up 27.98 -> 25.77, down 23.94 -> 16.94, LM head 95.94 ->
 # 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
 # same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
@@ -159,7 +159,8 @@ SHAPE_TILES = {
 # more loads in flight: 8B gate/up 30.2 us at 4 (37.9 at 2), LM head 99.3 at 8 (138.8 at 2, 512 x 64), 70B gate/up
 # 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows, plane-major activations, with the tiles
 # above): 8B qkv 15.64 us, down 29.34, LM head 124.44; 70B qkv 34.82, o 30.66, gate/up 113.96, down 76.14. int8 /
-# fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these.
+# fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these. An
+# entry applies whatever tile a call runs (POLYFUSE_QGEMV_TILES or a sweep's), though it was measured with its own.
 PROGRAMS_PER_SM = {
     ("int4", 6144, 4096): 4,
     ("int4", 4096, 4096): 8,

@@ -85,6 +85,17 @@ def _nibbles_f32(words, ASM: tl.constexpr):
 
 
 @triton.jit
+def _words(QW, k8, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
+    """The packed words of rows k8 (those < k8_end) and columns n; EARLY: loaded before the PDL wait, past L1."""
+    mask = (k8 < k8_end)[:, None] & n_mask[None, :]
+    if EARLY:
+        words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=mask, other=0, cache_modifier=".cg")
+    else:
+        words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=mask, other=0)
+    return words
+
+
+@triton.jit
 def _tile_sum(words, X, U, S, k80, k8, k_mask, n, s_mask, G_SIZE, ss_g, SWIGLU: tl.constexpr, ASM: tl.constexpr):
     """One [BLOCK_K8, BLOCK_N] tile of words starting at word row k80 (inside one group): sum_i (2 + q_i / 8) x_i
     per word, times the group's scale of each column (s_mask: the columns whose scale is read)."""
@@ -120,12 +131,11 @@ def _gemv_gptq_kernel(
     # tile wholly past the split's end reads no scale: its group may lie past the last)
     k8a = k8_start + kk8
     k8b = k8a + BLOCK_K8
+    tl.static_assert(PRE == 0 or not ACT_ORDER, "act-order gathers its groups per weight: no early tiles")
     if PRE >= 1:
-        wa = tl.load(QW + k8a[:, None] * sq_k + n[None, :], mask=(k8a < k8_end)[:, None] & n_mask[None, :], other=0,
-                     cache_modifier=".cg")  # fmt: skip
+        wa = _words(QW, k8a, k8_end, n, n_mask, sq_k, True)
     if PRE >= 2:
-        wb = tl.load(QW + k8b[:, None] * sq_k + n[None, :], mask=(k8b < k8_end)[:, None] & n_mask[None, :], other=0,
-                     cache_modifier=".cg")  # fmt: skip
+        wb = _words(QW, k8b, k8_end, n, n_mask, sq_k, True)
     wait_prior(PDL)
     if PRE >= 1:
         acc2 += _tile_sum(wa, X, U, S, k8_start, k8a, k8a < k8_end, n, n_mask, G_SIZE, ss_g, SWIGLU, ASM)
@@ -152,7 +162,7 @@ def _gemv_gptq_kernel(
         for k80 in tl.range(k8_start + PRE * BLOCK_K8, k8_end, BLOCK_K8, num_stages=STAGES):
             k8 = k80 + kk8
             k_mask = k8 < k8_end
-            words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0)
+            words = _words(QW, k8, k8_end, n, n_mask, sq_k, False)
             acc2 += _tile_sum(words, X, U, S, k80, k8, k_mask, n, n_mask, G_SIZE, ss_g, SWIGLU, ASM)
         # t = sum (2 + q / 8) x per tile, so a group's s (sum q x - z sum x) = 8 s t - (16 + z) s sum x: the second
         # term per group from the group's activation sum (this split's part of it), once per column
@@ -189,8 +199,10 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     split = triton.cdiv(k8, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
-    pre = 0 if act_order else prefetch_tiles("int4", n, k, block_k8 * block_n / (32 * num_warps))
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
+    # no early loads of a copy made just now (dense_rows), nor with act-order
+    early = not act_order and qweight is qw.qweight
+    pre = prefetch_tiles("int4", n, k, block_k8 * block_n / (32 * num_warps)) if early else 0
     _gemv_gptq_kernel[(grid_n, split)](
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,

@@ -72,6 +72,17 @@ def _to_f32(w, FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _bytes(W, n, n_mask, k, k_end, sw_n, EARLY: tl.constexpr):
+    """The weights of rows n and columns k (those < k_end); EARLY: loaded before the PDL wait, past L1."""
+    mask = n_mask[:, None] & (k < k_end)[None, :]
+    if EARLY:
+        w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
 def _tile_acc(w, acc2, acc, X, U, S, n, s_mask, k0, k, k_mask, ss_n, SWIGLU: tl.constexpr, GROUP: tl.constexpr,
               FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] tile of weights at column k0 into the accumulators: per channel acc2 += w x, per
@@ -106,11 +117,9 @@ def _gemv_scaled_kernel(
     ka = k_start + kk
     kb = ka + BLOCK_K
     if PRE >= 1:
-        wa = tl.load(W + n[:, None] * sw_n + ka[None, :], mask=n_mask[:, None] & (ka < k_end)[None, :], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
+        wa = _bytes(W, n, n_mask, ka, k_end, sw_n, True)
     if PRE >= 2:
-        wb = tl.load(W + n[:, None] * sw_n + kb[None, :], mask=n_mask[:, None] & (kb < k_end)[None, :], other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
+        wb = _bytes(W, n, n_mask, kb, k_end, sw_n, True)
     wait_prior(PDL)
     if PRE >= 1:
         acc2, acc = _tile_acc(wa, acc2, acc, X, U, S, n, n_mask, k_start, ka, ka < k_end, ss_n, SWIGLU, GROUP,
@@ -122,7 +131,7 @@ def _gemv_scaled_kernel(
     for k0 in tl.range(k_start + PRE * BLOCK_K, k_end, BLOCK_K, num_stages=STAGES):
         k = k0 + kk
         k_mask = k < k_end
-        w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = _bytes(W, n, n_mask, k, k_end, sw_n, False)
         acc2, acc = _tile_acc(w, acc2, acc, X, U, S, n, n_mask, k0, k, k_mask, ss_n, SWIGLU, GROUP, FP8_BITS, INT8,
                               ASM)  # fmt: skip
     if GROUP == 0:
@@ -150,7 +159,9 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     split = triton.cdiv(k, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
-    pre = prefetch_tiles(qw.format, n, k, block_n * block_k / (4 * 32 * num_warps))  # 4 weights a register
+    # 4 weights a register; no early loads of a copy made just now (dense_rows, the fp8 bit view aside)
+    early = w.data_ptr() == qw.qweight.data_ptr()
+    pre = prefetch_tiles(qw.format, n, k, block_n * block_k / (4 * 32 * num_warps)) if early else 0
     _gemv_scaled_kernel[(grid_n, split)](
         x, up if up is not None else x, w, scales, bias if bias is not None else y, y, ws, cnt, n, k, w.stride(0),
         scales.stride(0), per,
