@@ -277,7 +277,7 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
     tiles = (16, 32, 4, 2) if fmt == "int4" else (8, 32, 4, 2)  # 32 tiles of K: 11 splits of 3
     _, gate, up, bias = (t.to(device) for t in inputs(1, n, k, torch.float32, seed=3))
     gate, up = gate.contiguous(), up.contiguous()
-    assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == (2 if fmt == "int4" else 0)  # the defaults: int4 only
+    assert _qgemv.prefetch_tiles(fmt, 1.0) == (2 if fmt == "int4" else 0)  # the defaults: int4 only
     w = qf.dequantize(dataclasses.replace(q, scales=quantized(fmt, n, k, device).scales)).double()
     with torch.inference_mode():
         for split in (1, 11, 32):
@@ -286,13 +286,13 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
                 plain = kernel(gate, u, q, bias, tiles=tiles, split=split)
                 for budget, pre in ((1, 1), (64, 2)):
                     monkeypatch.setattr(_qgemv, "PREFETCH_REGS", {fmt: budget})
-                    assert _qgemv.prefetch_tiles(fmt, n, k, 1.0) == pre
+                    assert _qgemv.prefetch_tiles(fmt, 1.0) == pre
                     assert torch.equal(kernel(gate, u, q, bias, tiles=tiles, split=split), plain), (split, pre)
                 a = gate.double() if u is None else F.silu(gate.double()) * up.double()
                 ref = a @ w.t() + bias.double()
                 assert (plain.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (split, u is None)
     monkeypatch.setattr(_qgemv, "PREFETCH", False)
-    assert _qgemv.prefetch_tiles("int4", n, k, 1.0) == 0
+    assert _qgemv.prefetch_tiles("int4", 1.0) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

@@ -80,14 +80,23 @@ def tail_unroll(block_n: int, num_warps: int) -> int:
     return max(4, min(8, 64 // per_thread))
 
 
-def prefetch_tiles(fmt: str, n: int, k: int, tile_regs: float) -> int:
+def prefetch_tiles(fmt: str, tile_regs: float) -> int:
     """Tiles of weights a one-row GEMV program loads before its PDL wait (no kernel before it writes them, so they
-    may stream while that kernel still runs): as many as the projection's budget of 32-bit registers per thread
-    (PREFETCH_SHAPES, else PREFETCH_REGS; none by default) holds, at most 2; ``tile_regs``: one tile's."""
+    may stream while that kernel still runs): as many as the format's budget of 32-bit registers per thread
+    (PREFETCH_REGS; none for a format it does not name) holds, at most 2; ``tile_regs``: one tile's."""
     if not PREFETCH:
         return 0
-    budget = PREFETCH_SHAPES.get((fmt, n, k), PREFETCH_REGS.get(fmt, 0))
-    return int(max(0, min(2, budget // max(tile_regs, 1))))
+    return int(max(0, min(2, PREFETCH_REGS.get(fmt, 0) // max(tile_regs, 1))))
+
+
+@triton.jit
+def weight_tile(ptrs, mask, other, EARLY: tl.constexpr):
+    """A GEMV's weight tile; EARLY: loaded before the PDL wait (prefetch_tiles), past L1."""
+    if EARLY:
+        w = tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
+    else:
+        w = tl.load(ptrs, mask=mask, other=other)
+    return w
 
 
 # Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
@@ -179,14 +188,13 @@ PROGRAMS_PER_SM = {
     ("int4_mma", 57344, 8192): 8,
     ("int4_mma", 8192, 28672): 4,
 }
-# 32-bit registers per thread that a one-row GEMV fills with weights before its PDL wait (prefetch_tiles), per format,
-# and per projection where that differs. Measured on one H200 (session 12, decode batch 1, the same model with and
+# 32-bit registers per thread that a one-row GEMV fills with weights before its PDL wait (prefetch_tiles), per
+# format. Measured on one H200 (session 12, decode batch 1, the same model with and
 # without, alternating): int4 on every projection 363.8 against 344.3 tok/s (8B), 62.9 against 59.6 (70B); int8 and
 # fp8 on every projection 384.1 against 388.8 and 375.5 against 395.4, on 8B qkv / o / down only 384.4 against 388.5
 # and 391.5 against 395.3, fp8 on 70B qkv (and o) 55.6-56.5 (56.2) against 56.5: off. POLYFUSE_GEMV_PREFETCH=0 turns
 # it off.
 PREFETCH_REGS = {"int4": 32}
-PREFETCH_SHAPES: dict = {}
 PREFETCH = os.environ.get("POLYFUSE_GEMV_PREFETCH", "1") != "0"
 _env = os.environ.get("POLYFUSE_QGEMV_TILES")
 if _env:

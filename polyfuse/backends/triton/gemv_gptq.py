@@ -33,6 +33,7 @@ from polyfuse.backends.triton._qgemv import (
     store_out,
     tail_unroll,
     tiles_for,
+    weight_tile,
 )
 from polyfuse.backends.triton._rounding import PTX
 
@@ -87,12 +88,7 @@ def _nibbles_f32(words, ASM: tl.constexpr):
 @triton.jit
 def _words(QW, k8, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
     """The packed words of rows k8 (those < k8_end) and columns n; EARLY: loaded before the PDL wait, past L1."""
-    mask = (k8 < k8_end)[:, None] & n_mask[None, :]
-    if EARLY:
-        words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=mask, other=0, cache_modifier=".cg")
-    else:
-        words = tl.load(QW + k8[:, None] * sq_k + n[None, :], mask=mask, other=0)
-    return words
+    return weight_tile(QW + k8[:, None] * sq_k + n[None, :], (k8 < k8_end)[:, None] & n_mask[None, :], 0, EARLY)
 
 
 @triton.jit
@@ -202,7 +198,7 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
     # no early loads of a copy made just now (dense_rows), nor with act-order
     early = not act_order and qweight is qw.qweight
-    pre = prefetch_tiles("int4", n, k, block_k8 * block_n / (32 * num_warps)) if early else 0
+    pre = prefetch_tiles("int4", block_k8 * block_n / (32 * num_warps)) if early else 0
     _gemv_gptq_kernel[(grid_n, split)](
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,

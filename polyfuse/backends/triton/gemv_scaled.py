@@ -30,6 +30,7 @@ from polyfuse.backends.triton._qgemv import (
     store_out,
     tail_unroll,
     tiles_for,
+    weight_tile,
 )
 from polyfuse.backends.triton._rounding import PTX
 
@@ -74,12 +75,7 @@ def _to_f32(w, FP8_BITS: tl.constexpr, INT8: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _bytes(W, n, n_mask, k, k_end, sw_n, EARLY: tl.constexpr):
     """The weights of rows n and columns k (those < k_end); EARLY: loaded before the PDL wait, past L1."""
-    mask = n_mask[:, None] & (k < k_end)[None, :]
-    if EARLY:
-        w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        w = tl.load(W + n[:, None] * sw_n + k[None, :], mask=mask, other=0.0)
-    return w
+    return weight_tile(W + n[:, None] * sw_n + k[None, :], n_mask[:, None] & (k < k_end)[None, :], 0.0, EARLY)
 
 
 @triton.jit
@@ -161,7 +157,7 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     # 4 weights a register; no early loads of a copy made just now (dense_rows, the fp8 bit view aside)
     early = w.data_ptr() == qw.qweight.data_ptr()
-    pre = prefetch_tiles(qw.format, n, k, block_n * block_k / (4 * 32 * num_warps)) if early else 0
+    pre = prefetch_tiles(qw.format, block_n * block_k / (4 * 32 * num_warps)) if early else 0
     _gemv_scaled_kernel[(grid_n, split)](
         x, up if up is not None else x, w, scales, bias if bias is not None else y, y, ws, cnt, n, k, w.stride(0),
         scales.stride(0), per,
