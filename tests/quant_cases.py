@@ -92,3 +92,25 @@ def cases_swiglu_linear_q(device, dtype, big):
 
             out.append((f"{fmt}-x{lead}I{i}N{n}", make))
     return out
+
+
+def cases_add_rms_norm_linear_q(device, dtype, big):
+    """The layer's norm (with a residual, or without: the first layer) and the quantized projection of its rows; the
+    fp8 prefill implementation takes the many-row cases (more than 64 rows: (1, 128) on the GPU, (2, 40) here)."""
+    out = []
+    for fmt in CASE_FORMATS:
+        for lead, k, n in _shapes(big):
+            if fmt == "fp8":
+                n = 48 if not big else n
+            gen = torch.Generator().manual_seed(k + n + 2)
+            x0 = torch.randn(*lead, k + 8, generator=gen).to(dtype).to(device)
+            res = (torch.randn(*lead, k, generator=gen) * 4).to(dtype).to(device)
+            w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
+            qw = quantized(fmt, n, k, device, seed=2)
+            for with_res in (True, False):
+
+                def make(x0=x0, res=res, w=w, qw=qw, k=k, with_res=with_res):
+                    return (x0[..., :k], res if with_res else None, w, 1e-5, qw), {}, []
+
+                out.append((f"{fmt}-x{lead}K{k}N{n}{'-res' if with_res else ''}", make))
+    return out

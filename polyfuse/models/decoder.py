@@ -108,6 +108,20 @@ def project_fused(f: Forward, fused: nn.Module, parts, x):
     return None if adapters is None else f.ops.lora_linear(x, fused.weight, fused.bias, adapters)
 
 
+def normed_projection(f: Forward, norm: RMSNorm, x, residual, fused: nn.Module, parts):
+    """A layer's norm of ``x`` (plus ``residual``: the previous block's output not yet added) and, where ``fused`` is
+    one quantized projection whose ``parts`` are intact, that projection in the same op (``add_rms_norm_linear_q``:
+    on fp8 prefill the norm's kernel writes its rows quantized; elsewhere its composite is the norm then
+    ``linear_q``). Returns (normalized input or None, the projection or None, the next residual)."""
+    if isinstance(fused, QLinear) and fused_slices_intact(fused, *parts):
+        y, r = f.ops.add_rms_norm_linear_q(x, residual, norm.weight, norm.eps, fused.quantized_weight(), fused.bias)
+        return None, y, r
+    if residual is None:
+        return f.ops.rms_norm(x, norm.weight, norm.eps), None, x
+    h, r = f.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    return h, None, r
+
+
 def layer_window(config, layer_idx: int) -> Optional[int]:
     """The sliding window of one layer: transformers' ``layer_types`` where the config has them (Qwen2/Qwen3: only
     "sliding_attention" layers), else ``sliding_window`` for every layer (Mistral); None: full attention."""
@@ -146,13 +160,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.window = layer_window(config, layer_idx)
 
-    def heads(self, x, f: Forward):
+    def parts(self):
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def heads(self, x, f: Forward, qkv=None):
         """q, k, v as [B, L, heads, D] (a family that normalizes heads extends this): one fused qkv_proj GEMM while
         q/k/v_proj are its bare slices or PEFT's plain LoRA over them (``project_fused``), else each through its own
-        module."""
-        b, n, _ = x.shape
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = project_fused(f, self.qkv_proj, parts, x)
+        module. ``qkv``: that GEMM's output already made with the layer's norm (``normed_projection``; x is None)."""
+        b, n = (x if qkv is None else qkv).shape[:2]
+        parts = self.parts()
+        if qkv is None:
+            qkv = project_fused(f, self.qkv_proj, parts, x)
         if qkv is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
@@ -163,9 +181,9 @@ class Attention(nn.Module):
             v.view(b, n, self.n_kv, self.head_dim),
         )
 
-    def forward(self, x, f: Forward):
-        b, n, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.heads(x, f))
+    def forward(self, x, f: Forward, qkv=None):
+        b, n = (x if qkv is None else qkv).shape[:2]
+        q, k, v = (t.transpose(1, 2) for t in self.heads(x, f, qkv))
         if f.cache is None:
             q, k = f.ops.rotary(q, k, f.cos, f.sin)
         else:
@@ -192,8 +210,14 @@ class MLP(nn.Module):
         self.up_proj = ProjectionSlice(self, "gate_up_proj", self.inter, 2 * self.inter)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
 
-    def forward(self, x, f: Forward):
-        gate_up = project_fused(f, self.gate_up_proj, (self.gate_proj, self.up_proj), x)
+    def parts(self):
+        return self.gate_proj, self.up_proj
+
+    def forward(self, x, f: Forward, gate_up=None):
+        """``gate_up``: the fused gate/up GEMM's output already made with the layer's norm (``normed_projection``; x
+        is then None)."""
+        if gate_up is None:
+            gate_up = project_fused(f, self.gate_up_proj, self.parts(), x)
         if gate_up is not None:
             gate, up = gate_up[..., : self.inter], gate_up[..., self.inter :]
         else:
@@ -217,15 +241,12 @@ class DecoderLayer(nn.Module):
         (FSDP2's unshard/reshard) run either way."""
         if stream:
             return self.block(pending, f)
-        norm = self.input_layernorm
-        if residual is None:
-            h, residual = f.ops.rms_norm(pending, norm.weight, norm.eps), pending
-        else:
-            h, residual = f.ops.add_rms_norm(pending, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, f)
+        attn, mlp = self.self_attn, self.mlp
+        h, qkv, residual = normed_projection(f, self.input_layernorm, pending, residual, attn.qkv_proj, attn.parts())
+        h = attn(h, f, qkv=qkv)
         norm = self.post_attention_layernorm
-        h, residual = f.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h, f), residual
+        h, gate_up, residual = normed_projection(f, norm, h, residual, mlp.gate_up_proj, mlp.parts())
+        return mlp(h, f, gate_up=gate_up), residual
 
     def block(self, x, f: Forward):
         """The same layer on the whole residual stream ``x`` (returns the next one): the activation-checkpointing
@@ -418,7 +439,9 @@ class DecoderForCausalLM(nn.Module):
             meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
         return meta
 
-    def hidden_states(self, input_ids, position_ids, f: Forward) -> torch.Tensor:
+    def hidden_states(self, input_ids, position_ids, f: Forward, last: bool = False) -> torch.Tensor:
+        """The final norm's output [B, L, H]; ``last=True``: of the last position only [B, 1, H] (a cached step needs
+        no more: the final norm then reads one row per sequence, not the whole prompt)."""
         m = self.model
         f.cos, f.sin = m.rotary_emb(position_ids)
         hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
@@ -434,6 +457,8 @@ class DecoderForCausalLM(nn.Module):
             if hook is not None:
                 hook()
             pending, residual = layer(pending, residual, f)
+        if last:
+            pending, residual = pending[:, -1:], (residual[:, -1:] if residual is not None else None)
         return m.norm(pending, f, residual)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
@@ -475,7 +500,7 @@ class DecoderForCausalLM(nn.Module):
     def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
         metas = self.make_metas(input_ids.shape[1], key_mask, cache_position, kv_len, cached=True)
         f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
-        h = self.hidden_states(input_ids, position_ids, f)
+        h = self.hidden_states(input_ids, position_ids, f, last=True)
         if self.vocab is not None:
             return self.vocab_parallel_logits(h[:, -1])
         return self.head_logits(h[:, -1])

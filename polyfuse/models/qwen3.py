@@ -12,8 +12,8 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def heads(self, x, f):
-        q, k, v = super().heads(x, f)
+    def heads(self, x, f, qkv=None):
+        q, k, v = super().heads(x, f, qkv)
         q, k = f.ops.qk_norm(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return q, k, v
 

@@ -119,6 +119,10 @@ SWIGLU_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: silu(gate) * up quantized to e4m3 per token in one Triton kernel + "
     "torch._scaled_mm"
 )
+NORM_SCALED_MM_NOTE = (
+    "per-channel fp8, bf16, > 64 rows: the norm's rows quantized to e4m3 per token in the norm's kernel + "
+    "torch._scaled_mm"
+)
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
 # gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> fp8_scaled_mm (fp8,
 # more rows) -> cuda:scaled_mm -> native.
@@ -151,7 +155,8 @@ def quant_implementations() -> list[Implementation]:
     kernel + torch._scaled_mm (fp8, bf16: prefill; for swiglu_linear_q the same with SwiGLU in the quantizing kernel).
     Each declines (quietly: declining is the plan) what it does not take; the rest goes to the next choice, in the end
     the native dequantize + matmul (or, for swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the
-    same chain)."""
+    same chain). ``add_rms_norm_linear_q`` has the fp8 prefill form only: the norm's kernel quantizes its rows, the
+    rest goes to the composite (the run's norm, then its ``linear_q``)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
         out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))
@@ -159,6 +164,16 @@ def quant_implementations() -> list[Implementation]:
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
     for op, note in (("linear_q", SCALED_MM_NOTE), ("swiglu_linear_q", SWIGLU_SCALED_MM_NOTE)):
         out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY, note, probe=probe_scaled_mm))
+    out.append(
+        _quant(
+            "add_rms_norm_linear_q",
+            "fp8_scaled_mm",
+            "norm_quantize",
+            SCALED_MM_PRIORITY,
+            NORM_SCALED_MM_NOTE,
+            probe=probe_scaled_mm,
+        )
+    )
     return out
 
 
