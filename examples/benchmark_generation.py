@@ -65,9 +65,15 @@ def hf_twin(model):
 
 def torchao_twin(model):
     """--quant's peer: transformers' model of the same shape with random weights, int8 weight-only by torchao (the
-    issue's peer, run with a static cache + torch.compile like the others); its rows say peer_quant=torchao_int8."""
+    issue's peer, run with a static cache + torch.compile like the others); its rows say peer_quant=torchao_int8.
+    None, after one warning, where torchao is not installed: polyfuse's rows are still measured."""
     import transformers
-    from torchao.quantization import quantize_
+
+    try:
+        from torchao.quantization import quantize_
+    except ImportError:
+        print("warning: torchao is not installed: no transformers peer for --quant (polyfuse only)", file=sys.stderr)
+        return None
 
     try:
         from torchao.quantization import Int8WeightOnlyConfig as int8_weight_only

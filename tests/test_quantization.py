@@ -584,6 +584,27 @@ def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     assert [(r["impl"], r["quant"]) for r in decode] == [("polyfuse", "int4")] and decode[0]["tok_per_s"] > 0
 
 
+def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatch, capsys):
+    """--quant with --prefill builds the torchao peer; without torchao the run warns once and measures polyfuse
+    (it used to end in a traceback at the import)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao raises ImportError
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)
+    out = tmp_path / "gen.jsonl"
+    monkeypatch.setattr(sys, "argv", ["benchmark_generation.py", "--shapes", "tiny", "--batch_sizes", "1", "--new_tokens",
+        "3", "--prompt_len", "8", "--peers", "", "--prefill", "16", "--flags", "", "--quant", "int8", "--output", str(out)])  # fmt: skip
+    bench.main()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["impl"] for r in rows if r["what"] == "prefill"] == ["polyfuse"]
+    assert capsys.readouterr().err.count("warning: torchao is not installed") == 1
+
+
 # ---- quality on the built-in model ---------------------------------------------------------------------------------
 
 
