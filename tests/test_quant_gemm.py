@@ -295,6 +295,32 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
     assert _qgemv.prefetch_tiles("int4", 1.0) == 0
 
 
+def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
+    """The int4 GEMV's split tail loads the partials UNROLL at a time (_qgemv.tail_unroll, TAIL_MOST_INT4): 4, 5 (not
+    a power of two: the 70B gate/up), 16 and 32 (more than the 11 splits: the rounds past the last split must read
+    nothing) give the same bits, in split order, and the reference's numbers. The default rule is what the launcher
+    passes."""
+    from polyfuse.backends.triton import _qgemv
+    from polyfuse.backends.triton import gemv_gptq as gg
+
+    n, k = 40, 1024
+    q = quantized("int4", n, k, "cpu")
+    _, x, _, bias = inputs(1, n, k, torch.float32, seed=4)
+    w = qf.dequantize(q).double()
+    ref = x.double() @ w.t() + bias.double()
+    assert _qgemv.tail_unroll(128, 1, _qgemv.tail_regs(16, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 32
+    assert _qgemv.tail_unroll(512, 1, _qgemv.tail_regs(24, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 5
+    assert _qgemv.tail_unroll(256, 2, _qgemv.tail_regs(8, 2), _qgemv.TAIL_MOST_INT4.get(2, 16)) == 16
+    outs = {}
+    with torch.inference_mode():
+        for split in (11, 32):
+            for unroll in (4, 5, 16, 32):
+                monkeypatch.setattr(gg, "tail_unroll", lambda *a, u=unroll: u)
+                outs[split, unroll] = gg.gemv_gptq(x, None, q, bias, tiles=(16, 32, 1, 2), split=split)
+            assert all(torch.equal(outs[split, u], outs[split, 4]) for u in (5, 16, 32)), split
+            assert (outs[split, 4].double() - ref).abs().max() <= 1e-5 * ref.abs().max(), split
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
     from polyfuse.backends.triton.dequant_mm import dequantize_q, linear_q

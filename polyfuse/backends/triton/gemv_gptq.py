@@ -23,6 +23,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
+    TAIL_MOST_INT4,
     dense_rows,
     int4_group_term,
     load_x,
@@ -31,6 +32,7 @@ from polyfuse.backends.triton._qgemv import (
     split_buffers,
     split_k,
     store_out,
+    tail_regs,
     tail_unroll,
     tiles_for,
     weight_tile,
@@ -190,7 +192,8 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k8, block_k8)
-    split = split or split_k(grid_n, k_tiles, x.device, programs_per_sm("int4", n, k))
+    per_sm = programs_per_sm("int4", n, k)
+    split = split or split_k(grid_n, k_tiles, x.device, per_sm)
     per = triton.cdiv(k_tiles, split) * block_k8
     split = triton.cdiv(k8, per)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -204,7 +207,9 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, PRE=pre,
-        UNROLL=tail_unroll(block_n, num_warps), num_warps=num_warps, num_stages=num_stages,
+        UNROLL=tail_unroll(block_n, num_warps, tail_regs(per_sm, num_warps), TAIL_MOST_INT4.get(num_warps, 16)),
+        num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
     return y
