@@ -445,6 +445,36 @@ def test_act_order_gptq_with_different_g_idx_per_fused_part_is_dequantized(tiny_
     assert rel(logits(model), logits(expected)) < 1e-5
 
 
+def test_a_shared_buffer_is_written_before_another_part_compares_with_it():
+    """Fused parts share act-order's g_idx: the first part read writes it, the others compare theirs with it. The
+    loader reads on several threads, so the compare must not run between the first part's claim and its copy (a
+    spurious "differs between the parts" on a loaded CI machine). The second part's write runs inside the first one's
+    release of the loader's lock, the interleaving that failed."""
+    import threading
+
+    setup = qz.QuantSetup(None, qz.Checkpoint("gptq", "int4", 32), False, "cpu", torch.float32)
+    q = qz.QLinear(64, 256, "int4", False, torch.float32, group_size=32, parts=(128, 128))
+    g_idx = torch.randperm(64, generator=torch.Generator().manual_seed(0)) // 32
+    real, calls = threading.Lock(), []
+
+    class Interleaving:
+        def __enter__(self):
+            real.acquire()
+
+        def __exit__(self, *exc):
+            real.release()
+            if not calls:
+                calls.append("second part")
+                setup._write("mlp", q, "g_idx", slice(128, 256), g_idx.clone(), "up_proj")
+
+    setup.lock = Interleaving()
+    q.g_idx.fill_(-1)  # what an unwritten buffer may hold
+    setup._write("mlp", q, "g_idx", slice(0, 128), g_idx.clone(), "gate_proj")
+    assert calls == ["second part"] and torch.equal(q.g_idx, g_idx.to(q.g_idx.dtype))
+    with pytest.raises(qz.CheckpointError, match="differs between the parts fused into mlp"):
+        setup._write("mlp", q, "g_idx", slice(128, 256), g_idx.flip(0), "up_proj")
+
+
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_compressed_tensors_fp8_checkpoint(tiny_dir, tmp_path, strategy):
     def writer(prefix, w):

@@ -190,7 +190,10 @@ def test_later_override_entries_win():
 @pytest.mark.parametrize(
     "text, match",
     [
-        ("+no_such_op", r"unknown op 'no_such_op' \(known: add_rms_norm, add_rms_norm_linear_q, all_reduce, attention,"),
+        (
+            "+no_such_op",
+            r"unknown op 'no_such_op' \(known: add_rms_norm, add_rms_norm_linear_q, all_reduce, attention,",
+        ),
         ("no_such_op=native", "unknown op 'no_such_op'"),
         ("rms_norm", r"bad op override 'rms_norm': use \+op, -op or op=implementation"),
         ("rms_norm=no_such_impl", "op 'rms_norm' has no implementation 'no_such_impl' \\(registered: .*native"),

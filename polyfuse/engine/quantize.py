@@ -374,13 +374,20 @@ class QuantSetup:
             raise CheckpointError(f"weight {hf}.{buf} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
         if buf == "qweight" and value.dtype != dst.dtype:
             raise CheckpointError(f"weight {hf}.{buf} is {_name(value.dtype)}, {q.format} stores {_name(dst.dtype)}")
-        with self.lock:
-            first = (mod, buf) not in self.filled
-            self.filled.setdefault((mod, buf), set()).add(None if spec.n_dim is None else rows.start)
-        if spec.n_dim is None and not first:
-            if not torch.equal(dst, value.to(dst.device, dst.dtype)):
+        if spec.n_dim is None:  # one buffer shared by the fused parts (act-order's g_idx): the first part writes it,
+            # the others must hold the same; under the lock, or a part read on another thread compares before the
+            # first one's copy lands (seen as a spurious "differs" on a loaded 2-core machine)
+            with self.lock:
+                first = (mod, buf) not in self.filled
+                self.filled.setdefault((mod, buf), set()).add(None)
+                same = first or torch.equal(dst, value.to(dst.device, dst.dtype))
+                if first:
+                    dst.copy_(value)
+            if not same:
                 raise CheckpointError(f"{hf}.{buf}: differs between the parts fused into {mod}")
             return
+        with self.lock:
+            self.filled.setdefault((mod, buf), set()).add(rows.start)
         dst.copy_(value)
 
     def _stage(self, mod: str, rows, comp: str, tensor) -> Optional[str]:
