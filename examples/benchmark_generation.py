@@ -314,7 +314,7 @@ def main():
                 quant_chains={
                     op: [c.implementation.name] + [i.name for i in c.then]
                     for op, c in model.kernels.choices.items()
-                    if op in ("linear_q", "swiglu_linear_q") and args.quant
+                    if op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q") and args.quant
                 },
             ),
             out,

@@ -107,10 +107,11 @@ def cases_add_rms_norm_linear_q(device, dtype, big):
             res = (torch.randn(*lead, k, generator=gen) * 4).to(dtype).to(device)
             w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
             qw = quantized(fmt, n, k, device, seed=2)
-            for with_res in (True, False):
+            bias = (torch.randn(n, generator=gen) * 0.5).to(dtype).to(device)
+            for with_res, with_bias in ((True, False), (False, False), (True, True)):
 
-                def make(x0=x0, res=res, w=w, qw=qw, k=k, with_res=with_res):
-                    return (x0[..., :k], res if with_res else None, w, 1e-5, qw), {}, []
+                def make(x0=x0, res=res, w=w, qw=qw, k=k, with_res=with_res, b=bias if with_bias else None):
+                    return (x0[..., :k], res if with_res else None, w, 1e-5, qw, b), {}, []
 
-                out.append((f"{fmt}-x{lead}K{k}N{n}{'-res' if with_res else ''}", make))
+                out.append((f"{fmt}-x{lead}K{k}N{n}{'-res' if with_res else ''}{'-bias' if with_bias else ''}", make))
     return out

@@ -311,6 +311,11 @@ def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
     assert _qgemv.tail_unroll(128, 1, _qgemv.tail_regs(16, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 32
     assert _qgemv.tail_unroll(512, 1, _qgemv.tail_regs(24, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 5
     assert _qgemv.tail_unroll(256, 2, _qgemv.tail_regs(8, 2), _qgemv.TAIL_MOST_INT4.get(2, 16)) == 16
+    seen, rule = [], gg.tail_unroll  # the launcher passes the rule its tile and programs per SM
+    monkeypatch.setattr(gg, "tail_unroll", lambda *a: seen.append(a) or rule(*a))
+    with torch.inference_mode():
+        gg.gemv_gptq(x, None, q, bias, tiles=(16, 32, 1, 2), split=11)
+    assert seen == [(16, 1, _qgemv.tail_regs(_qgemv.programs_per_sm("int4", n, k), 1), 32)]
     outs = {}
     with torch.inference_mode():
         for split in (11, 32):

@@ -7,11 +7,15 @@ Separately, the norm kernel writes the normalized rows in bfloat16 and the quant
 8B shape at 2048 tokens, 16 MB each way, twice per layer) and each is one more launch. The arithmetic is the two
 kernels' (backends/triton/rms_norm.py, then scaled_mm.py): the sum rounded to its dtype before the statistics, the
 normalized value rounded to that dtype, times the weight rounded again, then the row's amax and the e4m3 rounding.
-So the quantized bytes and scales equal ``quantize_rows(add_rms_norm(x, residual)[0])`` (tests/test_norm_quantize.py).
+Under the interpreter the quantized bytes and scales equal ``quantize_rows(add_rms_norm(x, residual)[0])``
+(tests/test_norm_quantize.py); on the GPU this kernel's threads hold a row's elements in another layout than the
+norm kernel's, so the float32 sum of squares may be added in another order and a rare normalized value round the
+other way (the test bounds that there).
 
 Takes what ``triton:fp8_scaled_mm`` takes for ``linear_q`` (per-channel fp8, bfloat16, more than MAX_GEMM_ROWS rows,
-rows of at most MAX_K) with x, the residual and the norm weight of one dtype and unit column strides; declines the
-rest to the composite (the run's norm, then its ``linear_q``).
+rows of at most MAX_K) with x, the residual and the norm weight of one dtype; declines the rest to the composite (the
+run's norm, then its ``linear_q``), and is not chosen where the run sets the norm or ``linear_q`` otherwise
+(register.py ``probe_norm_scaled_mm``).
 """
 
 from typing import Optional
@@ -20,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
-from polyfuse.backends.triton.scaled_mm import _store_quantized_rows, accepts_linear_q
-from polyfuse.ops.quant_formats import FP8_MAX
+from polyfuse.backends.triton._rounding import cast_rne
+from polyfuse.backends.triton._util import rows
+from polyfuse.backends.triton.scaled_mm import _store_quantized_rows, accepts_linear_q, launch_quantizing
 from polyfuse.ops.quant_linear import scaled_mm_rows
 
 
@@ -34,10 +38,10 @@ TILES = {4096: (1, 4), 8192: (1, 8)}
 @triton.jit
 def _add_rms_norm_quantize_kernel(
     X, RES, R, W, Q, S, M, H, sx, sres, sr, sq, eps, HAS_RES: tl.constexpr, FP8_MAX: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, HW_CVT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    k = tl.arange(0, BLOCK)
+    k = tl.arange(0, BLOCK_K)
     mask = (r[:, None] < M) & (k[None, :] < H)
     x = tl.load(X + r[:, None] * sx + k[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -56,36 +60,30 @@ def add_rms_norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], weight
     """x2, res2 [M, H] (unit column strides, res2 may be None) -> (e4m3 [M, H], float32 scales [M, 1], x2 + res2 in
     x2's dtype, or x2 itself without a residual)."""
     m, h = x2.shape
-    device = x2.device
-    q = torch.empty((m, h), dtype=torch.uint8, device=device)
-    s = torch.empty((m, 1), dtype=torch.float32, device=device)
     r = torch.empty_like(x2) if res2 is not None else x2
-    block = triton.next_power_of_2(h)
-    rows_per, warps = TILES.get(block, (max(1, 4096 // block), 4 if block <= 4096 else 16))
     res = res2 if res2 is not None else x2
-    _add_rms_norm_quantize_kernel[(triton.cdiv(m, rows_per),)](
-        x2, res, r, weight, q, s, m, h, x2.stride(0), res.stride(0), r.stride(0), q.stride(0), float(eps),
-        HAS_RES=res2 is not None, FP8_MAX=FP8_MAX, ROWS=rows_per, BLOCK=block,
-        HW_CVT=device.type == "cuda" and not INTERPRET, num_warps=warps,
+    q, s = launch_quantizing(
+        _add_rms_norm_quantize_kernel, (x2, res, r, weight), (x2.stride(0), res.stride(0), r.stride(0)), m, h,
+        x2.device, TILES, eps=float(eps), HAS_RES=res2 is not None,
     )  # fmt: skip
-    return q.view(torch.float8_e4m3fn), s, r
+    return q, s, r
 
 
 def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) -> Optional[str]:
+    why = accepts_linear_q(x, qweight, bias)  # the format and the row count first: decode declines here
+    if why is not None:
+        return why
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         return "x and the residual differ in shape or dtype"
-    if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
-        return "the norm weight is not one row of x's dtype"
+    if weight.dtype != x.dtype or weight.shape != x.shape[-1:] or weight.stride(-1) != 1:
+        return "the norm weight is not one dense row of x's dtype"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight)):
         return "needs gradients"
-    if any(t is not None and t.stride(-1) != 1 for t in (x, residual, weight)):
-        return "not unit column strides"
-    return accepts_linear_q(x, qweight, bias)
+    return None
 
 
 def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
     h = x.shape[-1]
-    x2 = x.reshape(-1, h)
-    res2 = residual.reshape(-1, h) if residual is not None else None
-    xq, scale_a, r2 = add_rms_norm_quantize(x2, res2, weight, eps)
-    return scaled_mm_rows(xq, scale_a, qweight, x, bias), r2.view(x.shape)
+    x2 = rows(x, h)
+    xq, scale_a, r2 = add_rms_norm_quantize(x2, rows(residual, h) if residual is not None else None, weight, eps)
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias), (r2.view(x.shape) if residual is not None else x)

@@ -139,6 +139,20 @@ def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     return probe_inference(ctx) or scaled_mm_probe(ctx)
 
 
+def probe_norm_scaled_mm(ctx: SelectionContext) -> Optional[str]:
+    """add_rms_norm_linear_q's fp8 prefill form folds the norm and linear_q's activation quantization into one
+    kernel: not where the run set either op otherwise (``-rms_norm``, ``-add_rms_norm``, ``-linear_q`` or another
+    implementation named), so that its composite honours those choices."""
+    from polyfuse.core.registry import run_overrides
+
+    overrides = run_overrides(ctx)
+    for op, ours in (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "fp8_scaled_mm")):
+        choice = overrides.get(op)
+        if choice is not None and choice not in ("+", ours):
+            return f"{op} set by the run ({'-' + op if choice == '-' else op + '=' + choice}): the composite runs"
+    return probe_scaled_mm(ctx)
+
+
 def _quant(op, name, module, priority, note, attr=None, probe=probe_inference):
     mod = f"polyfuse.backends.triton.{module}"
     return Implementation(
@@ -171,7 +185,7 @@ def quant_implementations() -> list[Implementation]:
             "norm_quantize",
             SCALED_MM_PRIORITY,
             NORM_SCALED_MM_NOTE,
-            probe=probe_scaled_mm,
+            probe=probe_norm_scaled_mm,
         )
     )
     return out

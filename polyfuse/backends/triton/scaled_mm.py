@@ -94,16 +94,20 @@ def _swiglu_quantize_rows_kernel(
 TILES = {4096: (4, 16), 8192: (2, 16), 16384: (1, 32)}
 
 
-def _launch(kernel, tensors, strides, m, k, device):
+def launch_quantizing(kernel, tensors, strides, m, k, device, tiles=None, **extra):
+    """Run a kernel that writes [m, k] rows quantized per row (``_store_quantized_rows``): its arguments are
+    ``tensors``, the e4m3 rows and scales it fills, m, k, ``strides``, the rows' stride, then ``extra`` by name.
+    Returns (e4m3 [m, k], float32 scales [m, 1]). ``tiles``: (rows per program, warps) by the row's power-of-two
+    length (TILES)."""
     q = torch.empty((m, k), dtype=torch.uint8, device=device)
     s = torch.empty((m, 1), dtype=torch.float32, device=device)
     block = triton.next_power_of_2(k)
-    rows_per, warps = TILES.get(block, (max(1, 4096 // block), 4 if block <= 4096 else 32))
+    rows_per, warps = (tiles or TILES).get(block, (max(1, 4096 // block), 4 if block <= 4096 else 32))
     hw = device.type == "cuda" and not INTERPRET
     grid = (triton.cdiv(m, rows_per),)
     kernel[grid](
         *tensors, q, s, m, k, *strides, q.stride(0), FP8_MAX=FP8_MAX, ROWS=rows_per, BLOCK_K=block, HW_CVT=hw,
-        num_warps=warps,
+        num_warps=warps, **extra,
     )  # fmt: skip
     return q.view(torch.float8_e4m3fn), s
 
@@ -111,13 +115,13 @@ def _launch(kernel, tensors, strides, m, k, device):
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit column stride) -> (e4m3 [M, K], float32 scales [M, 1]), one scale per row (token)."""
     m, k = x2.shape
-    return _launch(_quantize_rows_kernel, (x2,), (x2.stride(0),), m, k, x2.device)
+    return launch_quantizing(_quantize_rows_kernel, (x2,), (x2.stride(0),), m, k, x2.device)
 
 
 def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows(silu(gate) * up) with the product rounded to gate's dtype, in one pass (unit column strides)."""
     m, k = g2.shape
-    return _launch(_swiglu_quantize_rows_kernel, (g2, u2), (g2.stride(0), u2.stride(0)), m, k, g2.device)
+    return launch_quantizing(_swiglu_quantize_rows_kernel, (g2, u2), (g2.stride(0), u2.stride(0)), m, k, g2.device)
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
