@@ -296,7 +296,7 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
 
 
 def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
-    """The int4 GEMV's split tail loads the partials UNROLL at a time (_qgemv.tail_unroll, TAIL_MOST_INT4): 4, 5 (not
+    """The int4 GEMV's split tail loads the partials UNROLL at a time (_qgemv.int4_tail_unroll): 4, 5 (not
     a power of two: the 70B gate/up), 16 and 32 (more than the 11 splits: the rounds past the last split must read
     nothing) give the same bits, in split order, and the reference's numbers. The default rule is what the launcher
     passes."""
@@ -308,19 +308,19 @@ def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
     _, x, _, bias = inputs(1, n, k, torch.float32, seed=4)
     w = qf.dequantize(q).double()
     ref = x.double() @ w.t() + bias.double()
-    assert _qgemv.tail_unroll(128, 1, _qgemv.tail_regs(16, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 32
-    assert _qgemv.tail_unroll(512, 1, _qgemv.tail_regs(24, 1), _qgemv.TAIL_MOST_INT4.get(1, 16)) == 5
-    assert _qgemv.tail_unroll(256, 2, _qgemv.tail_regs(8, 2), _qgemv.TAIL_MOST_INT4.get(2, 16)) == 16
-    seen, rule = [], gg.tail_unroll  # the launcher passes the rule its tile and programs per SM
-    monkeypatch.setattr(gg, "tail_unroll", lambda *a: seen.append(a) or rule(*a))
+    assert _qgemv.int4_tail_unroll(128, 1, 16) == 32
+    assert _qgemv.int4_tail_unroll(512, 1, 24) == 5
+    assert _qgemv.int4_tail_unroll(256, 2, 8) == 16
+    seen, rule = [], gg.int4_tail_unroll  # the launcher passes the rule its tile and programs per SM
+    monkeypatch.setattr(gg, "int4_tail_unroll", lambda *a: seen.append(a) or rule(*a))
     with torch.inference_mode():
         gg.gemv_gptq(x, None, q, bias, tiles=(16, 32, 1, 2), split=11)
-    assert seen == [(16, 1, _qgemv.tail_regs(_qgemv.programs_per_sm("int4", n, k), 1), 32)]
+    assert seen == [(16, 1, _qgemv.programs_per_sm("int4", n, k))]
     outs = {}
     with torch.inference_mode():
         for split in (11, 32):
             for unroll in (4, 5, 16, 32):
-                monkeypatch.setattr(gg, "tail_unroll", lambda *a, u=unroll: u)
+                monkeypatch.setattr(gg, "int4_tail_unroll", lambda *a, u=unroll: u)
                 outs[split, unroll] = gg.gemv_gptq(x, None, q, bias, tiles=(16, 32, 1, 2), split=split)
             assert all(torch.equal(outs[split, u], outs[split, 4]) for u in (5, 16, 32)), split
             assert (outs[split, 4].double() - ref).abs().max() <= 1e-5 * ref.abs().max(), split

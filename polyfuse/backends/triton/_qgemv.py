@@ -76,8 +76,8 @@ def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT, UNR
 def tail_unroll(block_n: int, num_warps: int, regs: int = 64, most: int = 8) -> int:
     """Partials the split's last program loads at once: as many as ``regs`` registers per thread hold (its columns
     per thread times the partials), at most ``most`` and at least 4 (what LLVM made of the plain loop). The int4
-    GEMV passes ``tail_regs`` and 32: its 1-warp programs split K 17-66 ways, and each round of loads is an L2 round
-    trip."""
+    GEMV passes more (int4_tail_unroll): its 1-warp programs split K 17-66 ways, and each round of loads is an L2
+    round trip."""
     per_thread = max(1, block_n // (32 * num_warps))
     return max(4, min(most, regs // per_thread))
 
@@ -88,13 +88,14 @@ def tail_regs(per_sm: int, num_warps: int) -> int:
     return min(128, 65536 // (per_sm * 32 * num_warps))
 
 
-# The int4 GEMV's tail: at most this many partials at a time (tail_unroll's ``most``; its ``regs``: tail_regs), for
-# 1-warp programs and for larger ones. One H200, session 13, us per call in a graph of calls, partials loaded 8 at a
-# time -> 16 / 32: 8B qkv (4 warps, 22 splits) 10.10 -> 9.52 / 9.60, o (33) 8.21 -> 7.54 / 7.34, gate/up (19) 26.21
-# -> 26.07 / 26.05, down (66) 17.46 -> 16.55 / 15.95; 70B qkv (2 warps) 21.4 -> 20.7 / 26.2, o 16.5 -> 16.0 / 15.8,
-# down 48.9 -> 48.7 / 48.2; the 8B LM head (16 columns per thread, 32 programs per SM) is slower with more (85.9 at
-# 8, 90.4 at 32), as is the 70B gate/up (24 per SM: 78.7 at 8, 81.6 at 32): tail_regs keeps those at 4-5.
-TAIL_MOST_INT4 = {1: 32}  # warps per program -> most; 16 for more warps
+def int4_tail_unroll(block_n: int, num_warps: int, per_sm: int) -> int:
+    """The int4 GEMV's tail: as many partials at a time as tail_regs leaves registers for, at most 32 for 1-warp
+    programs and 16 for larger ones. One H200, session 13, us per call in a graph of calls, partials loaded 8 at a
+    time -> 16 / 32: 8B qkv (4 warps, 22 splits) 10.10 -> 9.52 / 9.60, o (33) 8.21 -> 7.54 / 7.34, gate/up (19) 26.21
+    -> 26.07 / 26.05, down (66) 17.46 -> 16.55 / 15.95; 70B qkv (2 warps) 21.4 -> 20.7 / 26.2, o 16.5 -> 16.0 / 15.8,
+    down 48.9 -> 48.7 / 48.2; the 8B LM head (16 columns per thread, 32 programs per SM) is slower with more (85.9 at
+    8, 90.4 at 32), as is the 70B gate/up (24 per SM: 78.7 at 8, 81.6 at 32): tail_regs keeps those at 4-5."""
+    return tail_unroll(block_n, num_warps, tail_regs(per_sm, num_warps), 32 if num_warps == 1 else 16)
 
 
 def prefetch_tiles(fmt: str, tile_regs: float) -> int:

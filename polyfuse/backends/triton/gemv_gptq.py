@@ -23,17 +23,15 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
-    TAIL_MOST_INT4,
     dense_rows,
     int4_group_term,
+    int4_tail_unroll,
     load_x,
     prefetch_tiles,
     programs_per_sm,
     split_buffers,
     split_k,
     store_out,
-    tail_regs,
-    tail_unroll,
     tiles_for,
     weight_tile,
 )
@@ -207,9 +205,7 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, PRE=pre,
-        UNROLL=tail_unroll(block_n, num_warps, tail_regs(per_sm, num_warps), TAIL_MOST_INT4.get(num_warps, 16)),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        UNROLL=int4_tail_unroll(block_n, num_warps, per_sm), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(x.device),
     )  # fmt: skip
     return y
