@@ -64,6 +64,11 @@ class DeviceRuntime:
         place and returns nothing)."""
         return Step(module)
 
+    def adapt_quantized(self, weights) -> None:
+        """Called once after quantized weights are loaded or made (engine/quantize.py ``finalize``) with the
+        model's ``QuantizedWeight`` objects: a device whose kernels need another form of a format changes the
+        buffers in place here (HPU: fp8 rows beyond Gaudi2's range). The base runtime keeps them as they are."""
+
     def compile_backend(self) -> str:
         """The torch.compile backend for this device."""
         return "inductor"

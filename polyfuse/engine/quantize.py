@@ -597,13 +597,16 @@ def head_quantized(model) -> bool:
 
 
 def finalize(model) -> None:
-    """Per-module facts read from the loaded data (int4: is g_idx in order?), the model's summary and the
-    ``quantization_config`` a save writes."""
+    """Per-module facts read from the loaded data (int4: is g_idx in order?), the device runtime's adaptation of
+    the buffers (``adapt_quantized``), the model's summary and the ``quantization_config`` a save writes."""
     qs = quantized_modules(model)
     for q in qs.values():
         if q.format == "int4":
             order = torch.arange(q.in_features, device=q.g_idx.device, dtype=torch.int32) // q.group_size
             q.act_order = not torch.equal(q.g_idx, order)
+    runtime = getattr(model, "runtime", None)  # the device's own form of a format, where it needs one
+    if qs and runtime is not None:
+        runtime.adapt_quantized([q.quantized_weight() for q in qs.values()])
     if qs:
         model.config.quantization_config = quantization_config(model)
     elif hasattr(model.config, "quantization_config"):
@@ -679,6 +682,15 @@ def warn_unaccelerated(model) -> None:
     platform = model.kernels.context.platform
     cap = tuple(platform.capability or ())
     if platform.name == "cuda" and cap >= (8, 9) and model.dtype == torch.bfloat16 and "fp8" in fmts:
+        return
+    if model.kernels.choices["linear_q"].implementation.name == "fp8_gemm":  # Habana's fp8 GEMM (backends/hpu)
+        if model.dtype not in (torch.bfloat16, torch.float32):
+            where = f"hpu, a {_name(model.dtype)} run: Habana's fp8 GEMM takes bfloat16 or float32 activations"
+        elif "fp8_block" in fmts:
+            where = "hpu: fp8_block weights (Habana's fp8 GEMM here takes per-channel fp8)"
+        else:
+            return
+        logger.warning("warning: fp8 weights on %s; they stay fp8 and every call dequantizes them", where)
         return
     if platform.name != "cuda":
         where = f"{platform.name}: no fp8 matmul here"

@@ -23,6 +23,7 @@ BRIDGE = (
     "habana_frameworks.torch"  # importing it registers the hpu device with torch (as optimum-habana's setup_device)
 )
 INTERNAL = "habana_frameworks.torch.utils.internal"  # is_lazy()
+EXPERIMENTAL = "habana_frameworks.torch.utils.experimental"  # _get_device_type(): which Gaudi
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +64,20 @@ def is_lazy() -> bool:
     if fn is not None:
         return bool(fn())
     return os.environ.get("PT_HPU_LAZY_MODE", "0") != "0"
+
+
+def generation() -> Optional[str]:
+    """ "gaudi", "gaudi2" or "gaudi3" as Habana's ``_get_device_type()`` says (what Intel Neural Compressor and
+    optimum-habana ask to pick the fp8 range), or None without the bridge or for a device it does not name."""
+    get = import_component(EXPERIMENTAL, "_get_device_type")
+    kinds = import_component(EXPERIMENTAL, "synDeviceType")
+    if get is None or kinds is None:
+        return None
+    found = get()
+    for name in ("gaudi", "gaudi2", "gaudi3"):
+        if found == getattr(kinds, "synDevice" + name.capitalize(), object()):
+            return name
+    return None
 
 
 def clear_cache() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import polyfuse.ops  # noqa: F401  (declares the ops before we register against them)
-from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu import _habana, fp8_linear
 from polyfuse.backends.hpu.attention import fused_sdpa
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
@@ -46,6 +46,18 @@ IMPLEMENTATIONS = [
     _impl("add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm, _habana.NORMALIZATION, "FusedRMSNorm"),
     _impl("rotary", "fused_rope", fused_rope, _habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
 ]
+
+
+def probe_fp8_gemm(ctx: SelectionContext) -> Optional[str]:
+    return fp8_linear.missing_reason()
+
+
+IMPLEMENTATIONS.append(
+    Implementation(
+        "linear_q", "fp8_gemm", BACKEND, DEVICES, fp8_linear.fp8_gemm, priority=PRIORITY, probe=probe_fp8_gemm,
+        accepts=fp8_linear.accepts_linear_q, note="per-channel fp8, activations cast to e4m3 per token",
+    )
+)  # fmt: skip
 
 _done = []
 

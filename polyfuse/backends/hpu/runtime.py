@@ -20,6 +20,8 @@
   and on the value of every non-tensor argument; a replay copies the new inputs into the capture-time tensors and
   returns the capture-time outputs. The decoding loop therefore feeds one persistent cache-position tensor advanced
   in place (optimum-habana's ``token_idx.add_(1)``), so it captures one decode graph per KV bucket.
+* ``adapt_quantized()``: on Gaudi2 the fp8 weight rows beyond its e4m3 range (240) are halved and their scales
+  doubled once after loading (fp8_range.py); Gaudi3 holds float8_e4m3fn's 448.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
   and only in eager mode: "Dynamo and lazy are mutually exclusive" (optimum-habana's training_args.py).
 """
@@ -32,6 +34,7 @@ from typing import Callable, Optional
 import torch
 
 from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu.fp8_range import fit_gaudi2
 from polyfuse.core.runtime import DeviceRuntime, Step
 
 
@@ -127,6 +130,16 @@ class HpuRuntime(DeviceRuntime):
             module = wrap(module, **kwargs)
             setattr(module, _WRAPPED, True)
         return HpuGraphStep(module, bypass=phase == "prefill" and bool(flags.get("limit_hpu_graphs")))
+
+    # -- quantized weights -----------------------------------------------------------------------------------------
+    def adapt_quantized(self, weights) -> None:
+        """On Gaudi2, fp8 weight rows holding codes beyond its e4m3 range (240) are halved and their scales doubled
+        (fp8_range.py); elsewhere nothing changes."""
+        if _habana.generation() != "gaudi2":
+            return
+        rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
+        if rows:
+            logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled", rows)
 
     @classmethod
     def refusal(cls, flags: dict):

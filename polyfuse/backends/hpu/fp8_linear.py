@@ -1,0 +1,90 @@
+"""fp8 projections on Gaudi: Habana's fp8 GEMM, the activations quantized per token, as Intel Neural Compressor's
+dynamic fp8 quantization runs a Linear on Gaudi (``PatchedLinear.run_linear_quant`` with ``QuantDynamicInput`` and
+the per-token ``MaxAbsDynamicPcs`` scales; what optimum-habana's ``QUANT_CONFIG`` fp8 path patches a model with):
+
+    scale = max(amax(|x| per row) / fullscale, bf16 tiny)        # [M, 1], float32
+    x8    = torch.ops.hpu.cast_to_fp8_v2(x, 1 / scale, False, False, torch.float8_e4m3fn)[0]
+    y     = torch.ops.hpu.fp8_gemm_v2(x8, False, w, True, None, x.dtype, scale, w_scales, None, False) + bias
+
+``fullscale`` is e4m3's largest value on the device: 240 on Gaudi2, 448 on Gaudi3 (INC's ``get_fullscale``,
+optimum-habana's fine-grained fp8 quantizer). The weight is the loaded [N, K] e4m3 tensor with its per-channel
+scales, transposed by the GEMM (``trans_B``, as optimum-habana's ``GaudiFP8Linear`` passes its [N, K] weight); INC
+instead keeps a transposed copy and passes ``trans_B=False``. On Gaudi2 the runtime has already halved the weight
+rows beyond 240 (fp8_range.py). It takes per-channel ``fp8`` weights with bfloat16 or float32 activations in
+inference; fp8_block (1 x 128 scales), other dtypes and calls that need gradients are declined to the next choice
+(the native reference: dequantize + ``F.linear``). Like cuda:scaled_mm it is W8A8: its results differ from the
+weight-only reference by the e4m3 rounding of the activations.
+
+Written against the schemas of Habana's bridge and INC's calls; exercised by the test double
+(tests/habana_double), never run on a Gaudi.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu.fp8_range import GAUDI2_FP8_MAX
+from polyfuse.ops.quant_formats import FP8, FP8_MAX
+
+
+OPS = ("cast_to_fp8_v2", "fp8_gemm_v2")
+DTYPES = (torch.bfloat16, torch.float32)
+_TINY = torch.finfo(torch.bfloat16).tiny  # INC's floor for a per-channel / per-token scale
+
+
+def _op(name: str):
+    try:
+        return getattr(torch.ops.hpu, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def missing_reason() -> Optional[str]:
+    """None when Habana's fp8 GEMM can run here, else why not (the bridge is imported first: the ops live in it)."""
+    if not _habana.import_bridge():
+        return f"{_habana.BRIDGE} not importable"
+    absent = [name for name in OPS if _op(name) is None]
+    if absent:
+        return f"torch.ops.hpu has no {', '.join(absent)} in this Habana build"
+    if _habana.generation() == "gaudi":
+        return "first-generation Gaudi has no fp8 GEMM"
+    return None
+
+
+def fullscale() -> float:
+    """e4m3's largest value on this Gaudi: 240 on Gaudi2, 448 on Gaudi3 (and where the bridge does not say)."""
+    return GAUDI2_FP8_MAX if _habana.generation() == "gaudi2" else FP8_MAX
+
+
+def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+    if qweight.format != "fp8":
+        return f"{qweight.format} weights (takes per-channel fp8)"
+    if x.dtype not in DTYPES:
+        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported (bfloat16 or float32)"
+    if x.shape[-1] != qweight.shape[1]:
+        return "K mismatch"
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return "needs gradients"
+    return None
+
+
+def quantize_rows(x2: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) by Habana's cast, one scale per row (token)."""
+    amax = x2.abs().amax(-1, keepdim=True).float()
+    scale = torch.clamp(amax / top, min=_TINY)
+    return torch.ops.hpu.cast_to_fp8_v2(x2, 1.0 / scale, False, False, FP8)[0], scale
+
+
+def fp8_gemm(x, qweight, bias=None):
+    """``linear_q`` on Habana's fp8 GEMM: x [..., K] @ dequantize(qweight).T -> [..., N] in x's dtype (+ bias)."""
+    n, k = qweight.shape
+    x2 = x.reshape(-1, k)
+    x8, scale = quantize_rows(x2, fullscale())
+    y = torch.ops.hpu.fp8_gemm_v2(x8, False, qweight.qweight, True, None, x.dtype, scale, qweight.scales.float(),
+                                  None, False)  # fmt: skip
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], n)
