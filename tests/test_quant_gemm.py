@@ -540,3 +540,26 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING):
             qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
         assert [r.getMessage() for r in caplog.records] == [want]
+
+
+def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():
+    """swiglu_linear_q's fused forms (the one-row GEMV, the few-row GEMM, the fp8 prefill's quantizing kernel) fold
+    SwiGLU into linear_q: where the run sets either op otherwise (-swiglu, swiglu=native, -linear_q, another
+    linear_q implementation) the composite runs, which calls the run's own choices; otherwise the GEMV leads."""
+    from polyfuse.core.platform import Platform
+    from polyfuse.core.registry import SelectionContext
+
+    h200 = Platform("cuda", "cuda", "NVIDIA H200", (9, 0))
+
+    def choice(overrides):
+        ctx = SelectionContext(torch.device("cuda"), torch.bfloat16, platform=h200, overrides=overrides)
+        return registry.select("swiglu_linear_q", ctx, registry.run_overrides(ctx))
+
+    c = choice("")
+    assert c.implementation.name == "gemv_q" and [i.name for i in c.then] == ["gemm_q", "fp8_scaled_mm"]
+    for o in ("-swiglu", "swiglu=native", "-linear_q", "linear_q=native"):
+        c = choice(o)
+        assert c.implementation.name == "native" and not c.then, (o, c.implementation.name)
+        assert all("the composite runs" in why for _, why in c.skipped), (o, c.skipped)
+    c = choice("linear_q=gemv_q")  # the GEMV's fold stands for that very choice; the other two do not
+    assert c.implementation.name == "gemv_q" and not c.then

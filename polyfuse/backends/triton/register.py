@@ -139,18 +139,38 @@ def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     return probe_inference(ctx) or scaled_mm_probe(ctx)
 
 
+def set_otherwise(ctx: SelectionContext, folded) -> Optional[str]:
+    """Why a fused implementation folding other ops in yields to its composite (None: it does not): the run set one
+    of ``folded`` ((op, the implementation the fold stands for) pairs) otherwise, by ``-op`` or ``op=<other>``, and
+    the composite, which calls the run's own choice of each op, honours that."""
+    from polyfuse.core.registry import run_overrides
+
+    overrides = run_overrides(ctx)
+    for op, ours in folded:
+        choice = overrides.get(op)
+        if choice is not None and choice not in ("+", ours):
+            return f"{op} set by the run ({'-' + op if choice == '-' else op + '=' + choice}): the composite runs"
+    return None
+
+
 def probe_norm_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     """add_rms_norm_linear_q's fp8 prefill form folds the norm and linear_q's activation quantization into one
     kernel: not where the run set either op otherwise (``-rms_norm``, ``-add_rms_norm``, ``-linear_q`` or another
     implementation named), so that its composite honours those choices."""
-    from polyfuse.core.registry import run_overrides
+    folded = (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "fp8_scaled_mm"))
+    return set_otherwise(ctx, folded) or probe_scaled_mm(ctx)
 
-    overrides = run_overrides(ctx)
-    for op, ours in (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "fp8_scaled_mm")):
-        choice = overrides.get(op)
-        if choice is not None and choice not in ("+", ours):
-            return f"{op} set by the run ({'-' + op if choice == '-' else op + '=' + choice}): the composite runs"
-    return probe_scaled_mm(ctx)
+
+def probe_swiglu_fold(name: str, base):
+    """swiglu_linear_q's fused forms fold SwiGLU into linear_q's ``name`` implementation: not where the run set
+    ``swiglu`` or ``linear_q`` otherwise (``-swiglu``, ``swiglu=native``, ``-linear_q``, ...), where the composite
+    (the run's SwiGLU, then its linear_q) runs; else ``base``."""
+
+    def probe(ctx: SelectionContext) -> Optional[str]:
+        return set_otherwise(ctx, (("swiglu", "triton"), ("linear_q", name))) or base(ctx)
+
+    probe.__name__ = f"probe_swiglu_fold_{name}"
+    return probe
 
 
 def _quant(op, name, module, priority, note, attr=None, probe=probe_inference):
@@ -173,11 +193,13 @@ def quant_implementations() -> list[Implementation]:
     rest goes to the composite (the run's norm, then its ``linear_q``)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
-        out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE))
-        out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE))
+        fold = probe_swiglu_fold if op == "swiglu_linear_q" else (lambda name, base: base)
+        out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE, probe=fold("gemv_q", probe_inference)))
+        out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE, probe=fold("gemm_q", probe_inference)))
+        out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY,
+                          SWIGLU_SCALED_MM_NOTE if op == "swiglu_linear_q" else SCALED_MM_NOTE,
+                          probe=fold("fp8_scaled_mm", probe_scaled_mm)))  # fmt: skip
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
-    for op, note in (("linear_q", SCALED_MM_NOTE), ("swiglu_linear_q", SWIGLU_SCALED_MM_NOTE)):
-        out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY, note, probe=probe_scaled_mm))
     out.append(
         _quant(
             "add_rms_norm_linear_q",

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import rows
+from polyfuse.backends.triton.quant_gemm import MAX_ROWS
 from polyfuse.ops.quant_formats import FP8_MAX
 from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
 
@@ -125,8 +126,6 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tens
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
-    from polyfuse.backends.triton.quant_gemm import MAX_ROWS
-
     why = scaled_mm_refusal(x, qweight)
     if why is not None:
         return why
