@@ -46,9 +46,11 @@ def HPU_RUNTIME():  # noqa: N802
 
 
 def test_fp8_gemm_is_inc_arithmetic(gaudi):
-    """The activations cast per token with the device's fullscale (240 on Gaudi2, 448 on Gaudi3) and one fp8 GEMM
-    with the per-token and per-channel scales, the weight [N, K] transposed by the GEMM: bit for bit what the same
-    steps give by hand, and the recorded calls carry INC's arguments."""
+    """The activations cast per token with the device's fullscale (240 on Gaudi2, 448 on Gaudi3) and INC's dynamic
+    backoff (each row's largest value at half of it), then one fp8 GEMM with the per-token and per-channel scales,
+    the weight [N, K] transposed by the GEMM: bit for bit what the same steps give by hand, and the recorded calls
+    carry INC's argument order. (This checks the implementation against the double's reading of the ops; only the
+    hardware test below checks the reading.)"""
     hf, gen = gaudi
     top = 240.0 if gen == "gaudi2" else 448.0
     assert fp8_linear.fullscale() == top
@@ -56,8 +58,9 @@ def test_fp8_gemm_is_inc_arithmetic(gaudi):
     x = _rows()
     hf.reset()
     y = fp8_linear.fp8_gemm(x, qw)
-    scale = (x.float().abs().amax(-1, keepdim=True) / top).clamp(min=torch.finfo(torch.bfloat16).tiny)
+    scale = (x.float().abs().amax(-1, keepdim=True) / (top * 0.5)).clamp(min=torch.finfo(torch.bfloat16).tiny)
     x8 = (x.float() * (1.0 / scale)).clamp(-top, top).to(FP8)
+    assert x8.float().abs().amax() == top * 0.5  # the outlier row's largest value
     expect = ((x8.float() * scale) @ (qw.qweight.float() * qw.scales[:, None]).t()).to(torch.bfloat16)
     torch.testing.assert_close(y, expect, rtol=0, atol=0)
     (cast,) = hf.calls("cast_to_fp8_v2")
@@ -241,3 +244,39 @@ def test_loading_says_what_runs_fp8_on_hpu(gaudi, monkeypatch, caplog):
         with caplog.at_level(logging.WARNING):
             qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=dtype))
         assert [r.getMessage() for r in caplog.records] == want
+
+
+def test_weights_quantized_on_a_gaudi2_fit_its_range(gaudi, monkeypatch):
+    """Quantizing on the device (--quant fp8 at load, random weights, quantize_model_) scales fp8 to the device's
+    range: 240 on Gaudi2, as INC does (Gaudi2 cannot hold the larger codes, so halving afterwards could not repair
+    them), 448 elsewhere; the weights are the same up to e4m3's rounding either way."""
+    from polyfuse.engine import quantize as q
+    from polyfuse.engine.quantize import device_quantizer
+
+    hf, gen = gaudi
+    top = 240.0 if gen == "gaudi2" else 448.0
+    from polyfuse.backends.hpu.runtime import HpuRuntime
+
+    assert HpuRuntime.fp8_max() == (240.0 if gen == "gaudi2" else None)
+    w = _weight(k=256)
+    for fmt in ("fp8", "fp8_block"):
+        parts = device_quantizer(HPU)(fmt, w)
+        assert parts["qweight"].float().abs().amax() == top, fmt
+        assert not rows_out_of_range(parts["qweight"]).any() or gen == "gaudi3"
+        qw = QuantizedWeight(fmt, tuple(w.shape), group_size=128 if fmt == "fp8_block" else 0, **parts)
+        err = (dequantize(qw, torch.float32) - w).abs().max() / w.abs().max()
+        assert err < 2**-4, (fmt, err)
+    # the model paths quantize through it: a quantizer on the CPU tensors the double works on, told it is a Gaudi's
+    monkeypatch.setattr(q, "device_quantizer", lambda device, real=q.device_quantizer: real(HPU))
+    from helpers import tiny_config
+
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_config(tiny_config(), seed=1, quant="fp8")
+    codes = [m.qweight.float().abs().amax() for m in q.quantized_modules(model).values()]
+    assert codes and all(c == top for c in codes), codes
+    model = LlamaForCausalLM.from_config(tiny_config(), seed=1)
+    q.quantize_model_(model, "fp8")
+    q.quantize_lm_head_(model, "fp8")
+    codes = [m.qweight.float().abs().amax() for m in q.quantized_modules(model).values()]
+    assert len(codes) == 4 * 2 + 1 and all(c == top for c in codes), codes

@@ -64,10 +64,17 @@ class DeviceRuntime:
         place and returns nothing)."""
         return Step(module)
 
+    @classmethod
+    def fp8_max(cls) -> Optional[float]:
+        """The largest e4m3 value this device holds where it is less than float8_e4m3fn's 448 (Gaudi2: 240), else
+        None. Weights quantized to fp8 on the device are scaled to it (engine/quantize.py)."""
+        return None
+
     def adapt_quantized(self, weights) -> None:
-        """Called once after quantized weights are loaded or made (engine/quantize.py ``finalize``) with the
-        model's ``QuantizedWeight`` objects: a device whose kernels need another form of a format changes the
-        buffers in place here (HPU: fp8 rows beyond Gaudi2's range). The base runtime keeps them as they are."""
+        """Called after quantized weights are loaded or made (engine/quantize.py ``finalize``, which may run more
+        than once on a model: a second call must change nothing) with the model's ``QuantizedWeight`` objects: a
+        device whose kernels need another form of a format changes the buffers in place here (HPU: fp8 rows beyond
+        Gaudi2's range). The base runtime keeps them as they are."""
 
     def compile_backend(self) -> str:
         """The torch.compile backend for this device."""

@@ -347,7 +347,7 @@ class QuantSetup:
             if self.request not in LOAD_TIME_FORMATS:
                 raise CheckpointError(f"{hf}.weight: a float weight where the checkpoint's format is {q.format}")
             w = t.to(device=q.qweight.device, dtype=torch.float32)
-            for buf, value in quantize_components(q.format, w, q.group_size or INT4_GROUP).items():
+            for buf, value in device_quantizer(w.device)(q.format, w, q.group_size or INT4_GROUP).items():
                 self._write(mod, q, buf, rows, value, hf)
             return f"{hf}.weight"
         buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
@@ -470,9 +470,20 @@ def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSet
     return QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
 
 
-def _write_part(q: QLinear, start: int, w: torch.Tensor, quantize=quantize_components) -> None:
+def device_quantizer(device) -> Callable:
+    """Round to nearest (``quantize_components``) for weights quantized on ``device``: fp8 scaled to the device's
+    e4m3 range where its runtime says it is smaller than 448 (Gaudi2: 240, as Intel Neural Compressor quantizes
+    there), since the device cannot hold the larger codes."""
+    from polyfuse.core.runtime import runtime_class
+
+    fp8_max = runtime_class(torch.device(device).type).fp8_max()
+    return quantize_components if fp8_max is None else functools.partial(quantize_components, fp8_max=fp8_max)
+
+
+def _write_part(q: QLinear, start: int, w: torch.Tensor, quantize=None) -> None:
     """Quantize the float rows ``w`` into ``q``'s buffers from output row ``start`` on (one fused part, or all);
-    ``quantize(fmt, w, group_size)`` gives the buffers (round to nearest, or GPTQ's)."""
+    ``quantize(fmt, w, group_size)`` gives the buffers (round to nearest on w's device by default, or GPTQ's)."""
+    quantize = quantize or device_quantizer(w.device)
     for buf, value in quantize(q.format, w, q.group_size or INT4_GROUP).items():
         spec, dst = q.spec[buf], q._buffers[buf]
         if spec.n_dim is not None:
@@ -480,7 +491,7 @@ def _write_part(q: QLinear, start: int, w: torch.Tensor, quantize=quantize_compo
         dst.copy_(value)
 
 
-def _pack(lin: nn.Linear, fmt: str, parts: list, group: int, quantize=quantize_components) -> QLinear:
+def _pack(lin: nn.Linear, fmt: str, parts: list, group: int, quantize=None) -> QLinear:
     """A QLinear holding ``lin``'s weight quantized part by part (``parts``: [(checkpoint name, rows)]) and its bias."""
     w = lin.weight
     with torch.device(w.device):
@@ -530,7 +541,7 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
         if why:
             skipped.setdefault(why, []).append(name)
             continue
-        quantize = quantize_components
+        quantize = None  # round to nearest on the weight's device
         if hessians is not None:
             if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
                 h, tokens = hessians.pop(lin.weight.data_ptr())

@@ -255,9 +255,9 @@ def int8_row_scales(w: torch.Tensor) -> torch.Tensor:
     return best_scale
 
 
-def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
-    """Each row's e4m3 scale: its largest magnitude maps to 448."""
-    return (w.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
+def fp8_row_scales(w: torch.Tensor, fp8_max: float = FP8_MAX) -> torch.Tensor:
+    """Each row's e4m3 scale: its largest magnitude maps to ``fp8_max`` (448; 240 for weights made on a Gaudi2)."""
+    return (w.abs().amax(-1) / fp8_max).clamp(min=1e-12)
 
 
 # Rows quantized at a time (about this many weights): on the CPU a chunk's temporaries stay in cache (int8's clipping
@@ -266,14 +266,17 @@ CHUNK_WEIGHTS = {"cpu": 1 << 18}
 DEFAULT_CHUNK_WEIGHTS = 1 << 28
 
 
-def quantize_components(fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP) -> dict[str, torch.Tensor]:
+def quantize_components(
+    fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP, fp8_max: float = FP8_MAX
+) -> dict[str, torch.Tensor]:
     """{buffer name: tensor} of ``fmt`` for the float weight w [N, K] (round to nearest), a chunk of rows at a time
-    (every format is row-local; chunks of a multiple of 8 rows keep int4's packed zeros whole)."""
+    (every format is row-local; chunks of a multiple of 8 rows keep int4's packed zeros whole). fp8 scales each row
+    (block) so that its largest magnitude is ``fp8_max``: 448, or the device's smaller range (Gaudi2: 240)."""
     n, k = w.shape
     rows = max(8, CHUNK_WEIGHTS.get(w.device.type, DEFAULT_CHUNK_WEIGHTS) // max(k, 1) // 8 * 8)
     if fmt in GGUF_BYTES or n <= rows:
-        return _quantize_rows(fmt, w.float(), group_size)
-    chunks = [_quantize_rows(fmt, w[r : r + rows].float(), group_size) for r in range(0, n, rows)]
+        return _quantize_rows(fmt, w.float(), group_size, fp8_max)
+    chunks = [_quantize_rows(fmt, w[r : r + rows].float(), group_size, fp8_max) for r in range(0, n, rows)]
     out = {}
     for name, c in components(fmt, n, k, group_size).items():
         parts = [ch[name] for ch in chunks]
@@ -281,18 +284,18 @@ def quantize_components(fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP)
     return out
 
 
-def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int, fp8_max: float = FP8_MAX) -> dict[str, torch.Tensor]:
     n, k = w.shape
     if fmt == "int8":
         return _quantize_int8(w)
     if fmt == "fp8":
-        scale = fp8_row_scales(w)
-        return {"qweight": (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), "scales": scale}
+        scale = fp8_row_scales(w, fp8_max)
+        return {"qweight": (w / scale[:, None]).clamp(-fp8_max, fp8_max).to(FP8), "scales": scale}
     if fmt == "fp8_block":
         nb = math.ceil(k / FP8_BLOCK)
         blocks = torch.nn.functional.pad(w, (0, nb * FP8_BLOCK - k)).view(n, nb, FP8_BLOCK)
-        scale = (blocks.abs().amax(-1) / FP8_MAX).clamp(min=1e-12)
-        q = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(n, -1)[:, :k].to(FP8)
+        scale = (blocks.abs().amax(-1) / fp8_max).clamp(min=1e-12)
+        q = (blocks / scale[..., None]).clamp(-fp8_max, fp8_max).view(n, -1)[:, :k].to(FP8)
         return {"qweight": q.contiguous(), "scales": scale}
     if fmt == "int4":
         return _quantize_int4(w, group_size)

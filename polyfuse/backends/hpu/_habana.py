@@ -66,9 +66,11 @@ def is_lazy() -> bool:
     return os.environ.get("PT_HPU_LAZY_MODE", "0") != "0"
 
 
+@functools.lru_cache(maxsize=None)
 def generation() -> Optional[str]:
-    """ "gaudi", "gaudi2" or "gaudi3" as Habana's ``_get_device_type()`` says (what Intel Neural Compressor and
-    optimum-habana ask to pick the fp8 range), or None without the bridge or for a device it does not name."""
+    """The Gaudi generation, "gaudi", "gaudi2" or "gaudi3", as Habana's ``_get_device_type()`` says (what Intel
+    Neural Compressor and optimum-habana ask to pick the fp8 range); None without the bridge or for a device it does
+    not name. Asked once per process (``clear_cache`` forgets it), not on every projection call."""
     get = import_component(EXPERIMENTAL, "_get_device_type")
     kinds = import_component(EXPERIMENTAL, "synDeviceType")
     if get is None or kinds is None:
@@ -82,3 +84,4 @@ def generation() -> Optional[str]:
 
 def clear_cache() -> None:
     import_component.cache_clear()
+    generation.cache_clear()

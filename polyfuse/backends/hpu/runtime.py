@@ -20,8 +20,9 @@
   and on the value of every non-tensor argument; a replay copies the new inputs into the capture-time tensors and
   returns the capture-time outputs. The decoding loop therefore feeds one persistent cache-position tensor advanced
   in place (optimum-habana's ``token_idx.add_(1)``), so it captures one decode graph per KV bucket.
-* ``adapt_quantized()``: on Gaudi2 the fp8 weight rows beyond its e4m3 range (240) are halved and their scales
-  doubled once after loading (fp8_range.py); Gaudi3 holds float8_e4m3fn's 448.
+* fp8 on Gaudi2, whose e4m3 reaches 240: ``fp8_max()`` makes weights quantized on the device scale to 240, and
+  ``adapt_quantized()`` halves the loaded fp8 rows beyond it and doubles their scales (fp8_range.py); Gaudi3 holds
+  float8_e4m3fn's 448.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
   and only in eager mode: "Dynamo and lazy are mutually exclusive" (optimum-habana's training_args.py).
 """
@@ -34,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from polyfuse.backends.hpu import _habana
-from polyfuse.backends.hpu.fp8_range import fit_gaudi2
+from polyfuse.backends.hpu.fp8_range import GAUDI2_FP8_MAX, fit_gaudi2
 from polyfuse.core.runtime import DeviceRuntime, Step
 
 
@@ -132,6 +133,11 @@ class HpuRuntime(DeviceRuntime):
         return HpuGraphStep(module, bypass=phase == "prefill" and bool(flags.get("limit_hpu_graphs")))
 
     # -- quantized weights -----------------------------------------------------------------------------------------
+    @classmethod
+    def fp8_max(cls):
+        """Gaudi2's e4m3 reaches 240 (INC's ``get_fullscale``): fp8 weights quantized here are scaled to it."""
+        return GAUDI2_FP8_MAX if _habana.generation() == "gaudi2" else None
+
     def adapt_quantized(self, weights) -> None:
         """On Gaudi2, fp8 weight rows holding codes beyond its e4m3 range (240) are halved and their scales doubled
         (fp8_range.py); elsewhere nothing changes."""
