@@ -369,6 +369,7 @@ def _cases_attention(device, dtype, big):
             (2, 16, 16, 1, 300, 64, "decode"),
             (3, 32, 8, 1, 640, 128, "decode_keys"),
             (1, 32, 8, 1, 8192, 128, "decode_keys"),
+            (1, 32, 8, 1, 8192, 128, "decode_keys_early"),
         ]
         if big
         else [
@@ -378,6 +379,8 @@ def _cases_attention(device, dtype, big):
             (2, 8, 2, 1, 9, 16, "decode"),
             (1, 4, 1, 1, 150, 24, "decode"),
             (3, 8, 2, 1, 200, 16, "decode_keys"),
+            (2, 4, 2, 1, 2100, 16, "decode_keys"),  # from decode_attention.LONG keys on: the long tile
+            (1, 4, 2, 1, 2100, 16, "decode_keys_early"),  # the slot early in a long cache: most splits hold no key
             (1, 2, 2, 4, 4, 8, "full"),
         ]
     )
@@ -398,13 +401,13 @@ def _cases_attention(device, dtype, big):
             decode=kind.startswith("decode"),
             valid_lengths=torch.tensor(lengths, dtype=torch.int32, device=device),
         )
-        if kind == "decode_keys":
+        if kind.startswith("decode_keys"):
             # As the model passes a decode step: a bool key mask wider than the KV bucket (left padding) and the
             # query's cache slot inside the bucket, so keys after it are hidden; the additive mask is built lazily.
             key_mask = torch.ones(b, lk + 5, dtype=torch.bool, device=device)
             for i in range(b):
                 key_mask[i, : i * 3] = False
-            slot = torch.tensor([lk - 1 - lk // 5], device=device)
+            slot = torch.tensor([lk // 20 if kind.endswith("early") else lk - 1 - lk // 5], device=device)
             meta.key_mask, meta.cache_position = key_mask[:, :lk], slot
             meta.lazy_mask = lambda km=key_mask, p=slot, n=lk: cache_mask(km, p, n, dtype)
 
