@@ -52,7 +52,10 @@ REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays
 # the dequantized weight to the activations' dtype first. At K = 14336 in fp16 (bf16) that rounding alone moves
 # outputs by more than the bound (run 21's GPU failures, reproduced on the CPU: the GEMV matched the float32-weight
 # result to 1e-4 where the native one sat 2.5e-3 away, as the fp16-weight result does).
-REF_IN_FLOAT32_IMPLS = {("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q")}
+REF_IN_FLOAT32_IMPLS = {
+    ("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q"),
+    ("add_rms_norm_linear_q", "gemv_q"),
+}  # fmt: skip
 # The int4 GEMM for 2..16 rows (gemv_gptq_mma.py: tensor-core products of the packed nibbles, scaled per group in
 # float32) does not round the dequantized weight either: the cases it takes (int4 in-order groups, up to 16 rows)
 # take the same reference.
@@ -71,11 +74,18 @@ def _int4_mma_takes(make) -> bool:
 # SwiGLU differs from it by one rounding of each of I = 14336 inputs, which moved 1 of 4096 bf16 outputs of the
 # fp8_block case past the bound on the H200 in run 22; a CPU emulation of the kernel's arithmetic showed the same for
 # every format, and none against this reference).
+# The formats the GEMV takes after SwiGLU's own kernel instead (quant_gemv.PAIRED: int4) get that kernel's rounding:
+# silu(gate) * up in float32, rounded once (against the twice-rounded native SwiGLU, 29 of 4096 outputs of the int4
+# I = 4096 case were past the bound on the H200, session 14).
 def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
+    from polyfuse.backends.triton.quant_gemv import PAIRED
     from polyfuse.ops.quant_linear import linear_q_native
     from polyfuse.ops.swiglu import swiglu_native
 
-    h = swiglu_native(gate, up).float()
+    if qweight.format in PAIRED:
+        h = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype).float()
+    else:
+        h = swiglu_native(gate, up).float()
     return linear_q_native(h, qweight, None if bias is None else bias.float()).to(gate.dtype)
 
 
@@ -91,14 +101,37 @@ def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
     return torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float()).to(gate.dtype)
 
 
+# add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py) is the norm's kernel, which stores the normalized row in
+# the activations' dtype as the native op does, then that GEMV: the same reference, with the native norm in front
+# (against the wholly native op, 5-7 of 4096 outputs of the K = 14336 int4 cases were past the bound on the H200,
+# session 14: the weight's rounding to the activations' dtype, as for linear_q:gemv_q).
+def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
+    from polyfuse.ops.add_rms_norm import add_rms_norm_native
+    from polyfuse.ops.quant_linear import linear_q_native
+    from polyfuse.ops.rms_norm import rms_norm_native
+
+    if residual is None:
+        y, r = rms_norm_native(x, weight, eps), x
+    else:
+        y, r = add_rms_norm_native(x, residual, weight, eps)
+    return linear_q_native(y.float(), qweight, None if bias is None else bias.float()).to(y.dtype), r
+
+
 REF_FN = {
     ("swiglu_linear_q", "gemv_q"): _swiglu_rounded_linear_q_f32,
+    ("add_rms_norm_linear_q", "gemv_q"): _norm_rounded_linear_q_f32,
     ("swiglu_linear", "triton_recompute"): _swiglu_rounded_linear_f32,
 }
 # Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
 LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0, "swiglu_linear": 2.0, "swiglu_linear_q": 2.0}
 # float32 ops that sum long rows (K up to 14336) in another order than the library GEMM.
-LOOSEN_FP32 = {"linear": 4.0, "swiglu_linear": 4.0, "linear_q": 4.0, "swiglu_linear_q": 4.0}
+LOOSEN_FP32 = {
+    "linear": 4.0,
+    "swiglu_linear": 4.0,
+    "linear_q": 4.0,
+    "swiglu_linear_q": 4.0,
+    "add_rms_norm_linear_q": 4.0,
+}
 # Implementations whose numerics differ from the reference by design: fp8 scaled_mm also quantizes the activations
 # to e4m3 per token (~2% relative; tests/test_quantization.py checks it tightly against that arithmetic).
 LOOSEN_IMPL = {("linear_q", "scaled_mm"): 8.0, ("linear_q", "fp8_scaled_mm"): 8.0,
@@ -359,6 +392,18 @@ def _pad_mask(lengths, lq, lk, dtype, device, causal):
     return mask.to(device)
 
 
+def _second_split_start(device, b, hkv, lk, d) -> int:
+    """The first key of the decode attention's second split for this cache (the slot where one key more than the
+    first split's is live: an off-by-one in the live splits drops it)."""
+    from polyfuse.backends.triton import decode_attention as da
+
+    long = lk >= da.LONG and d <= 128
+    block = da.LONG_TILE[0] if long else (da.TILE[0] if d <= 128 else 32)
+    n, split_len = da._n_splits(torch.device(device), b, hkv, lk, block, da.LONG_PER_SM if long else da.PER_SM)
+    assert n > 1, (lk, n)
+    return split_len
+
+
 def _cases_attention(device, dtype, big):
     # (B, Hq, Hkv, Lq, Lk, D, kind) kind: causal (no mask), masked (left padding), decode (Lq=1, mask), full
     shapes = (
@@ -370,6 +415,7 @@ def _cases_attention(device, dtype, big):
             (3, 32, 8, 1, 640, 128, "decode_keys"),
             (1, 32, 8, 1, 8192, 128, "decode_keys"),
             (1, 32, 8, 1, 8192, 128, "decode_keys_early"),
+            (1, 32, 8, 1, 4096, 128, "decode_keys_boundary"),
         ]
         if big
         else [
@@ -381,6 +427,7 @@ def _cases_attention(device, dtype, big):
             (3, 8, 2, 1, 200, 16, "decode_keys"),
             (2, 4, 2, 1, 2100, 16, "decode_keys"),  # from decode_attention.LONG keys on: the long tile
             (1, 4, 2, 1, 2100, 16, "decode_keys_early"),  # the slot early in a long cache: most splits hold no key
+            (1, 2, 1, 1, 512, 16, "decode_keys_boundary"),  # the slot on a split's first key: that split is live
             (1, 2, 2, 4, 4, 8, "full"),
         ]
     )
@@ -407,7 +454,13 @@ def _cases_attention(device, dtype, big):
             key_mask = torch.ones(b, lk + 5, dtype=torch.bool, device=device)
             for i in range(b):
                 key_mask[i, : i * 3] = False
-            slot = torch.tensor([lk // 20 if kind.endswith("early") else lk - 1 - lk // 5], device=device)
+            if kind.endswith("early"):
+                at = lk // 20
+            elif kind.endswith("boundary"):
+                at = _second_split_start(device, b, hkv, lk, d)
+            else:
+                at = lk - 1 - lk // 5
+            slot = torch.tensor([at], device=device)
             meta.key_mask, meta.cache_position = key_mask[:, :lk], slot
             meta.lazy_mask = lambda km=key_mask, p=slot, n=lk: cache_mask(km, p, n, dtype)
 

@@ -1,26 +1,26 @@
 """fp8 projections on Gaudi: Habana's fp8 GEMM, the activations quantized per token, as Intel Neural Compressor's
-dynamic fp8 quantization runs a Linear on Gaudi (``PatchedLinear.run_linear_quant`` with ``QuantDynamicInput`` and
-the per-token ``MaxAbsDynamicPcs`` scales; what optimum-habana's ``QUANT_CONFIG`` fp8 path patches a model with):
+dynamic fp8 quantization runs a Linear on Gaudi (``PatchedLinear.run_linear_quant`` with ``QuantDynamicInput`` and the
+per-token ``MaxAbsDynamicPcs`` scales; what optimum-habana's ``QUANT_CONFIG`` fp8 path patches a model with):
 
     scale = max(amax(|x| per row) / (fullscale * 0.5), bf16 tiny)    # [M, 1], float32
     x8    = torch.ops.hpu.cast_to_fp8_v2(x, 1 / scale, False, False, torch.float8_e4m3fn)[0]
     y     = torch.ops.hpu.fp8_gemm_v2(x8, False, w, True, None, x.dtype, scale, w_scales, None, False) + bias
 
 ``fullscale`` is e4m3's largest value on the device: 240 on Gaudi2, 448 on Gaudi3 (INC's ``get_fullscale``,
-optimum-habana's fine-grained fp8 quantizer); 0.5 is INC's backoff for dynamic scales (``ScaleMethodFactory``:
-each row's largest value lands at half the range). INC computes the scale in the activations' dtype and may round
-it (its scale rounding method); here it stays float32, unrounded. The weight is the loaded [N, K] e4m3 tensor with
-its per-channel scales, transposed by the GEMM (``trans_B=True``). That combination is our reading of the schema:
-INC keeps a transposed [K, N] copy and passes ``trans_B=False`` with the per-channel scale, optimum-habana's
-``GaudiFP8Linear`` passes an [N, K] weight with ``trans_B=True`` but with block scales; the hardware test
-(tests/test_hpu_fp8.py, N != K) is what would catch another reading. Weights are within the device's range: made on
-a Gaudi2 they are scaled to 240, and loaded ones beyond it are halved by the runtime (fp8_range.py). It takes per-channel ``fp8`` weights with bfloat16 or float32 activations in
-inference; fp8_block (1 x 128 scales), other dtypes and calls that need gradients are declined to the next choice
-(the native reference: dequantize + ``F.linear``). Like cuda:scaled_mm it is W8A8: its results differ from the
-weight-only reference by the e4m3 rounding of the activations.
+optimum-habana's fine-grained fp8 quantizer); 0.5 is INC's backoff for dynamic scales (``ScaleMethodFactory``: each
+row's largest value lands at half the range). INC computes the scale in the activations' dtype and may round it (its
+scale rounding method); here it stays float32, unrounded. The weight is the loaded [N, K] e4m3 tensor with its
+per-channel scales, transposed by the GEMM (``trans_B=True``). That combination is our reading of the schema: INC keeps
+a transposed [K, N] copy and passes ``trans_B=False`` with the per-channel scale, optimum-habana's ``GaudiFP8Linear``
+passes an [N, K] weight with ``trans_B=True`` but with block scales; the hardware test (tests/test_hpu_fp8.py, N != K)
+is what would catch another reading. Weights are within the device's range: made on a Gaudi2 they are scaled to 240,
+and loaded ones beyond it are halved by the runtime (fp8_range.py). It takes per-channel ``fp8`` weights with bfloat16
+or float32 activations in inference; fp8_block (1 x 128 scales), other dtypes and calls that need gradients are
+declined to the next choice (the native reference: dequantize + ``F.linear``). Like cuda:scaled_mm it is W8A8: its
+results differ from the weight-only reference by the e4m3 rounding of the activations.
 
-Written against the schemas of Habana's bridge and INC's calls; exercised by the test double
-(tests/habana_double), never run on a Gaudi.
+Written against the schemas of Habana's bridge and INC's calls; exercised by the test double (tests/habana_double),
+never run on a Gaudi.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ field 15), which a weight quantized for NVIDIA's or Gaudi3's range (largest valu
 Intel Neural Compressor and optimum-habana quantize for 240 on Gaudi2 (``get_fullscale``, ``FP8_MAX``), and so does
 polyfuse for weights it quantizes on a Gaudi2 (``HpuRuntime.fp8_max``). fp8 checkpoints load as stored, though, and
 those made for 448 (NVIDIA's, Gaudi3's, a polyfuse save from another device) hold such codes: on Gaudi2 every row
-holding one is halved and its scales doubled after loading (``HpuRuntime.adapt_quantized``, after every
-``finalize``; a fitted row is not touched again): the same weights, now within the range. Halving is exact in e4m3 except below 2^-5, where the last bit of a subnormal rounds to nearest even (at
-most 2^-9 of the row's original scale, far below the format's resolution for that row's largest values).
+holding one is halved and its scales doubled after loading (``HpuRuntime.adapt_quantized``, after every ``finalize``; a
+fitted row is not touched again): the same weights, now within the range. Halving is exact in e4m3 except below 2^-5,
+where the last bit of a subnormal rounds to nearest even (at most 2^-9 of the row's original scale, far below the
+format's resolution for that row's largest values).
 
 It works on the codes as integers, on the device, because Gaudi2 cannot read the out-of-range codes as numbers.
 """

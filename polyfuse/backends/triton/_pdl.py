@@ -3,22 +3,24 @@
 A decode step is a chain of short kernels (a Llama-2-70B layer: nine, 8-110 us each), and between two of them the GPU
 idles while the next grid is launched and its blocks placed. With PDL a kernel is launched with the "programmatic
 stream serialization" attribute: its blocks may be placed while the kernel before it still runs, and each waits
-(``griddepcontrol.wait``) until that kernel has finished and its writes are visible, before touching memory. A
-kernel then lets its own dependents launch (``griddepcontrol.launch_dependents``) once it has passed its wait, so at
-most one grid waits ahead. Every kernel launched this way waits before its first load of anything a kernel before it
-may write and before its first store, so the order of memory effects is the stream's, as without PDL; the one
-exception is the one-row GEMVs' weights (``_qgemv.prefetch_tiles``: int4 loads its first weight tiles before the
-wait, as no kernel launched just before a GEMV writes its weights; a weight the launcher has just copied into dense
-rows is not loaded early). A kernel launched without the attribute (cuBLAS, torch's) keeps
-plain stream order, and a PDL kernel after it waits for it whole.
+(``griddepcontrol.wait``) until that kernel has finished and its writes are visible, before touching memory. A kernel
+then lets its own dependents launch (``griddepcontrol.launch_dependents``) once it has passed its wait, so at most one
+grid waits ahead; the norm and SwiGLU kernels before an int4 one-row GEMV (``EARLY``: norm_gemv.py, quant_gemv.py
+``PAIRED``) let it launch first and then wait (``launch_then_wait``), so its early weight loads also overlap the kernel
+before them (two grids wait ahead there). Every kernel launched this way waits before its first load of anything a
+kernel before it may write and before its first store, so the order of memory effects is the stream's, as without PDL;
+the one exception is the one-row GEMVs' weights (``_qgemv.prefetch_tiles``: int4 loads its first weight tiles before
+the wait, as neither of the two kernels launched just before a GEMV writes its weights; a weight the launcher has just
+copied into dense rows is not loaded early). A kernel launched without the attribute (cuBLAS, torch's) keeps plain
+stream order, and a PDL kernel after it waits for it whole.
 
-Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, but for
-their early weight tiles; RMSNorm and
-add+RMSNorm, rotary + cache write, decode attention, SwiGLU), launched with ``**pdl_options(device)``. That gives
-PDL on NVIDIA GPUs of compute capability 9.0 or more, under ``torch.inference_mode`` (generation, prefill and decode:
-what has been measured and checked on an H200; training launches plainly), with a Triton that has PDL (3.4 and
-later: ``gdc_wait`` and the ``launch_pdl`` launch option; with an older one ``wait_prior`` is empty and nothing
-launches with PDL), not under the CPU interpreter. ``POLYFUSE_PDL=0`` (read at import) turns it off.
+Where: the kernels that take a ``PDL`` constexpr and call ``wait_prior(PDL)`` first (the one-row GEMVs, but for their
+early weight tiles; RMSNorm and add+RMSNorm, rotary + cache write, decode attention, SwiGLU), launched with
+``**pdl_options(device)``. That gives PDL on NVIDIA GPUs of compute capability 9.0 or more, under
+``torch.inference_mode`` (generation, prefill and decode: what has been measured and checked on an H200; training
+launches plainly), with a Triton that has PDL (3.4 and later: ``gdc_wait`` and the ``launch_pdl`` launch option; with
+an older one ``wait_prior`` is empty and nothing launches with PDL), not under the CPU interpreter. ``POLYFUSE_PDL=0``
+(read at import) turns it off.
 """
 
 import functools
@@ -75,9 +77,23 @@ if TRITON_HAS_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
 
+    @triton.jit
+    def launch_then_wait(PDL: tl.constexpr):
+        """With PDL: let the next kernel launch first, then wait for the one before. For a small kernel followed by a
+        GEMV that loads weights before its own wait (int4, _qgemv.prefetch_tiles): those loads then start while the
+        kernel before this one still runs. Memory order is kept: the next kernel still waits for this one whole."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
 else:  # Triton before 3.4: the kernels must not even name the instructions (their cache key walks every attribute)
 
     @triton.jit
     def wait_prior(PDL: tl.constexpr):
+        """No PDL in this Triton: nothing to wait for beyond stream order."""
+        pass
+
+    @triton.jit
+    def launch_then_wait(PDL: tl.constexpr):
         """No PDL in this Triton: nothing to wait for beyond stream order."""
         pass

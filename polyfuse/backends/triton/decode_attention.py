@@ -10,7 +10,7 @@ reset by that program) rescales the partials to a common max and writes the outp
 A sliding window (``meta.window``) masks keys at or before ``slot - window`` the same way. With the key mask and
 slot, keys past the slot are not read and the splits wholly past it store nothing (a CUDA graph is captured for the
 cache's length and replayed at every slot, so a long cache early in a generation costs little more than a short one).
-From LONG keys on, programs take blocks of 128 keys at two programs per multiprocessor (TILE). Other shapes (Lq > 1),
+From LONG keys on, programs take blocks of 128 keys at two programs per multiprocessor (LONG_TILE). Other shapes (Lq > 1),
 boolean masks and calls that need gradients are declined (``accepts``): the registry's next choice takes them.
 """
 
@@ -158,7 +158,7 @@ def _combine(ACC, M_IN, L_IN, OUT, b, g, HKV, N_REP, n_splits, n_live, so_b, so_
 # programs per multiprocessor each aims at; heads of more than 128 take 32 keys per block (the short tile otherwise).
 # One H200, session 14, us per call (Llama-3-8B's 32 query / 8 KV heads of 128, all keys live, in a graph of calls
 # over caches that pass the L2), the short tile and 4 programs per SM -> the long tile and 2: KV length 2048 10.1 ->
-# 8.6, 4096 17.4 -> 12.9, 8192 24.9 -> 17.5, 16384 35.6 -> 27.7, 32768 55.8 -> 45.3; below 2048 the short tile won
+# 8.7-9, 4096 17.4 -> 12.9, 8192 24.9 -> 17.5, 16384 35.6 -> 27.7, 32768 55.8 -> 45.3; below 2048 the short tile won
 # (at 256: 5.2 us whatever the tile or split). Graphed decode of the 8B model with the head packed, 128 new tokens,
 # against the session's start (4 programs per SM, 64 keys, every split stored and combined): a 4000-token prompt fp8
 # 346.2 / 347.1 tok/s against 324.2 / 323.9, int4 347.0 / 347.1 against 327.1 / 328.5; a 128-token prompt in a cache

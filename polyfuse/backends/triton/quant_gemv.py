@@ -1,7 +1,9 @@
-"""The Triton implementations of ``linear_q`` / ``swiglu_linear_q``: a one-row GEMV that reads the packed weight
-and dequantizes in its loads, one kernel per layout (gemv_scaled.py: int8 / fp8 / fp8_block; gemv_gptq.py: int4;
-gemv_gguf.py: GGUF Q8_0 / Q4_0 / Q4_1). Anything else (more than one row, a format without a kernel, gradients) is
-declined to the registry's next choice (the native reference: dequantize + ``F.linear``, i.e. cuBLAS on a GPU)."""
+"""The Triton implementations of ``linear_q`` / ``swiglu_linear_q``: a one-row GEMV that reads the packed weight and
+dequantizes in its loads (for ``swiglu_linear_q`` with SwiGLU folded into the activation loads, or for the PAIRED
+formats SwiGLU's own kernel launched to let the GEMV start first), one kernel per layout (gemv_scaled.py: int8 / fp8 /
+fp8_block; gemv_gptq.py: int4; gemv_gguf.py: GGUF Q8_0 / Q4_0 / Q4_1). Anything else (more than one row, a format
+without a kernel, gradients) is declined to the registry's next choice (the native reference: dequantize +
+``F.linear``, i.e. cuBLAS on a GPU)."""
 
 from typing import Optional
 
@@ -46,10 +48,16 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 NO_FOLD = ("int4", "int8", "fp8")
 
 
+# Formats whose one-row GEMV loads weights before its PDL wait (_qgemv.prefetch_tiles): their swiglu_linear_q runs
+# the SwiGLU kernel, which lets the GEMV launch before it waits (_pdl.launch_then_wait), then the GEMV, rather than
+# the fold (norm_gemv.py has the measurements; the norm before q/k/v and gate/up does the same there).
+PAIRED = ("int4",)
+
+
 def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     if up.shape != gate.shape:
         return "gate and up shapes differ"
-    if qweight.format in NO_FOLD and gate.is_cuda:
+    if qweight.format in NO_FOLD and gate.is_cuda and qweight.format not in PAIRED:
         return f"{qweight.format}: the separate SwiGLU + GEMV is faster (measured)"
     return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
 
@@ -75,4 +83,10 @@ def linear_q(x, qweight, bias=None):
 
 
 def swiglu_linear_q(gate, up, qweight, bias=None):
+    if qweight.format in PAIRED:  # the SwiGLU kernel launching the GEMV first, then the GEMV: the composite's bits
+        from polyfuse.backends.triton.swiglu import swiglu_forward
+
+        return _gemv(swiglu_forward(gate, up, early=True), None, qweight, bias).view(
+            *gate.shape[:-1], qweight.shape[0]
+        )
     return _gemv(gate, up, qweight, bias).view(*gate.shape[:-1], qweight.shape[0])

@@ -119,6 +119,7 @@ SWIGLU_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: silu(gate) * up quantized to e4m3 per token in one Triton kernel + "
     "torch._scaled_mm"
 )
+NORM_GEMV_NOTE = "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV"
 NORM_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: the norm's rows quantized to e4m3 per token in the norm's kernel + "
     "torch._scaled_mm"
@@ -161,6 +162,13 @@ def probe_norm_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     return set_otherwise(ctx, folded) or probe_scaled_mm(ctx)
 
 
+def probe_norm_gemv(ctx: SelectionContext) -> Optional[str]:
+    """add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py): the run's Triton norms and its one-row GEMV, or the
+    composite where the run set them otherwise."""
+    folded = (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "gemv_q"))
+    return set_otherwise(ctx, folded) or probe_inference(ctx)
+
+
 def probe_swiglu_fold(name: str, base):
     """swiglu_linear_q's fused forms fold SwiGLU into linear_q's ``name`` implementation: not where the run set
     ``swiglu`` or ``linear_q`` otherwise (``-swiglu``, ``swiglu=native``, ``-linear_q``, ...), where the composite
@@ -189,8 +197,9 @@ def quant_implementations() -> list[Implementation]:
     kernel + torch._scaled_mm (fp8, bf16: prefill; for swiglu_linear_q the same with SwiGLU in the quantizing kernel).
     Each declines (quietly: declining is the plan) what it does not take; the rest goes to the next choice, in the end
     the native dequantize + matmul (or, for swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the
-    same chain). ``add_rms_norm_linear_q`` has the fp8 prefill form only: the norm's kernel quantizes its rows, the
-    rest goes to the composite (the run's norm, then its ``linear_q``)."""
+    same chain). ``add_rms_norm_linear_q`` has two forms: one row of int4, the norm's kernel launching the GEMV
+    first (norm_gemv.py), and the fp8 prefill, the norm's kernel quantizing its rows; the rest goes to the composite
+    (the run's norm, then its ``linear_q``)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
         fold = probe_swiglu_fold if op == "swiglu_linear_q" else (lambda name, base: base)
@@ -200,6 +209,7 @@ def quant_implementations() -> list[Implementation]:
                           SWIGLU_SCALED_MM_NOTE if op == "swiglu_linear_q" else SCALED_MM_NOTE,
                           probe=fold("fp8_scaled_mm", probe_scaled_mm)))  # fmt: skip
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
+    out.append(_quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv))
     out.append(
         _quant(
             "add_rms_norm_linear_q",

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._pdl import pdl_options, wait_prior
+from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows, sm_count
 
@@ -34,8 +34,12 @@ def _rms_norm_fwd_kernel(
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr = False,
 ):
-    wait_prior(PDL)
+    if EARLY:  # the next kernel launches before this one waits (_pdl.launch_then_wait)
+        launch_then_wait(PDL)
+    else:
+        wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -110,8 +114,9 @@ def _n_programs(device: torch.device, n_rows: int) -> int:
     return max(1, min(n_rows, 4 * sm_count(device) if device.type == "cuda" else 4))
 
 
-def rms_norm_forward(x2, weight, eps, residual2=None):
-    """x2 [N, H] (unit column stride). Returns (y, rstd, r) where r is the summed residual (or x2 itself)."""
+def rms_norm_forward(x2, weight, eps, residual2=None, early=False):
+    """x2 [N, H] (unit column stride). Returns (y, rstd, r) where r is the summed residual (or x2 itself). ``early``:
+    the next kernel may launch before this one waits for the one before (_pdl.launch_then_wait)."""
     n, h = x2.shape
     block, num_warps = _launch_params(h)
     if residual2 is not None:
@@ -137,6 +142,7 @@ def rms_norm_forward(x2, weight, eps, residual2=None):
             float(eps),
             HAS_RES=residual2 is not None,
             BLOCK=block,
+            EARLY=early,
             num_warps=num_warps,
             **pdl_options(x2.device),
         )

@@ -17,14 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._pdl import pdl_options, wait_prior
+from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_prior(PDL)
+def _swiglu_fwd_kernel(G, U, Y, stride_g, stride_u, stride_y, I, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                       EARLY: tl.constexpr = False):  # fmt: skip
+    if EARLY:  # the next kernel launches before this one waits (_pdl.launch_then_wait)
+        launch_then_wait(PDL)
+    else:
+        wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -53,7 +57,9 @@ def _block(i: int) -> int:
     return min(triton.next_power_of_2(max(i, 1)), 1024)
 
 
-def swiglu_forward(gate, up):
+def swiglu_forward(gate, up, early=False):
+    """silu(gate) * up by the forward kernel (no autograd node); ``early``: the next kernel may launch before this
+    one waits (_pdl.launch_then_wait)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     i = gate.shape[-1]
@@ -63,7 +69,8 @@ def swiglu_forward(gate, up):
         block = _block(i)
         grid = (g2.shape[0], triton.cdiv(i, block))
         _swiglu_fwd_kernel[grid](
-            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), i, BLOCK=block, num_warps=4, **pdl_options(y.device)
+            g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), i, BLOCK=block, EARLY=early, num_warps=4,
+            **pdl_options(y.device),
         )  # fmt: skip
     return y.view(gate.shape)
 

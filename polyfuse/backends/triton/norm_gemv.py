@@ -1,0 +1,43 @@
+"""``add_rms_norm_linear_q`` for one row of int4 weights: the norm's kernel, then the one-row GEMV, launched as a pair.
+
+The int4 GEMV loads its first weight tiles before its PDL wait (_qgemv.prefetch_tiles): nothing before it writes
+them. With plain PDL the GEMV may launch only once the norm's kernel has passed its own wait, so those loads overlap
+just the norm. Here the norm's kernel lets the GEMV launch first and then waits (_pdl.launch_then_wait): the GEMV's
+programs are placed, and start loading weights, while the kernel before the norm (the previous layer's down
+projection, or the attention's o projection) still runs. The GEMV still waits for the norm whole before it reads the
+normalized row, so the arithmetic and the bits are the composite's (the same two kernels). The SwiGLU kernel before
+the down projection does the same (quant_gemv.py, PAIRED).
+
+One H200, session 14, graphed decode at batch 1 with the head packed, the norm and SwiGLU kernels launching first
+against both waiting first: Llama-3-8B int4 416.7 / 417.1 / 416.6 tok/s against 398.6 / 398.5 / 398.7 (+4.6%),
+Llama-2-70B int4 69.9 against 68.6; the same for every small kernel (rotary + KV write and attention too): 409.8,
+so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before their wait, every small kernel
+launching first made the decode slower (fp8 377.3 against 392.1, int8 367.8 against 385.5): they keep the plain
+order (the composite).
+"""
+
+from typing import Optional
+
+import torch
+
+from polyfuse.backends.triton import quant_gemv
+from polyfuse.backends.triton._util import rows
+from polyfuse.backends.triton.rms_norm import rms_norm_forward
+
+
+def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) -> Optional[str]:
+    if qweight.format not in quant_gemv.PAIRED:
+        return f"{qweight.format}: its GEMV loads no weights before its wait (the composite's order is faster)"
+    if residual is not None and residual.shape != x.shape:
+        return "x and residual shapes differ"
+    return quant_gemv.accepts_linear_q(x, qweight, bias) or (
+        "needs gradients" if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad) else None
+    )
+
+
+def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
+    """(linear_q(norm(x + residual)), x + residual), or with no residual (linear_q(rms_norm(x)), x)."""
+    h = x.shape[-1]
+    y, _, r = rms_norm_forward(rows(x, h), weight, eps, None if residual is None else rows(residual, h), early=True)
+    out = quant_gemv.linear_q(y.view(x.shape), qweight, bias)
+    return out, (x if residual is None else r.view(x.shape))

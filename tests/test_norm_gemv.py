@@ -1,0 +1,102 @@
+"""The one-row int4 pairs (backends/triton/norm_gemv.py; quant_gemv.py PAIRED): the norm's kernel, or SwiGLU's,
+lets the int4 GEMV launch before it waits for the kernel before it. The arithmetic is the composite's: the same two
+kernels, so the same bits (the Triton interpreter here; PDL itself only on a GPU, where the greedy tokens are
+compared with PDL off)."""
+
+import pytest
+import torch
+from helpers import one_thread  # noqa: F401  (autouse fixture)
+
+from polyfuse.backends.triton import norm_gemv, quant_gemv
+from polyfuse.backends.triton.add_rms_norm import add_rms_norm
+from polyfuse.backends.triton.rms_norm import rms_norm
+from polyfuse.backends.triton.swiglu import swiglu
+from polyfuse.core import registry
+from polyfuse.core.platform import Platform
+from polyfuse.core.registry import SelectionContext
+from polyfuse.ops.quant_formats import quantize
+
+
+def _inputs(k=256, n=96, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, k, generator=g).to(dtype)
+    res = (torch.randn(1, 1, k, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    qw = quantize("int4", torch.randn(n, k, generator=g) * 0.05)
+    bias = torch.randn(n, generator=g).to(dtype)
+    return x, res, w, qw, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_res", [True, False])
+def test_norm_pair_is_the_composite_bit_for_bit(dtype, with_res):
+    x, res, w, qw, bias = _inputs(dtype=dtype)
+    with torch.inference_mode():
+        y, r = norm_gemv.add_rms_norm_linear_q(x, res if with_res else None, w, 1e-5, qw, bias)
+        if with_res:
+            normed, r_ref = add_rms_norm(x, res, w, 1e-5)
+        else:
+            normed, r_ref = rms_norm(x, w, 1e-5), x
+        y_ref = quant_gemv.linear_q(normed, qw, bias)
+    assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
+    assert y.shape == (1, 1, 96) and r.shape == x.shape
+
+
+def test_swiglu_pair_is_the_composite_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(1, 384, generator=g).to(torch.bfloat16) for _ in range(2))
+    qw = quantize("int4", torch.randn(64, 384, generator=g) * 0.05)
+    with torch.inference_mode():
+        got = quant_gemv.swiglu_linear_q(gate, up, qw)
+        want = quant_gemv.linear_q(swiglu(gate, up), qw)
+    assert torch.equal(got, want)
+
+
+def test_the_pair_takes_one_row_of_int4_in_inference_only():
+    x, res, w, qw, bias = _inputs()
+    with torch.inference_mode():
+        assert norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw) is None
+        assert norm_gemv.accepts_add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias) is None
+        fp8 = quantize("fp8", torch.randn(96, 256) * 0.05)
+        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, fp8)
+        two = torch.cat([x, x], dim=1)
+        assert norm_gemv.accepts_add_rms_norm_linear_q(two, torch.cat([res, res], 1), w, 1e-5, qw) is not None
+    assert norm_gemv.accepts_add_rms_norm_linear_q(x, res, w.requires_grad_(), 1e-5, qw) == "needs gradients"
+
+
+def test_registry_puts_the_pair_first_for_one_row_and_yields_to_the_runs_norm():
+    h200 = Platform("cuda", "cuda", "NVIDIA H200", (9, 0))
+
+    def choice(overrides):
+        ctx = SelectionContext(torch.device("cuda"), torch.bfloat16, platform=h200, overrides=overrides)
+        return registry.select("add_rms_norm_linear_q", ctx, registry.run_overrides(ctx))
+
+    c = choice("")
+    assert (c.implementation.name, [i.name for i in c.then]) == ("gemv_q", ["fp8_scaled_mm"])
+    for o in ("-add_rms_norm", "rms_norm=native", "-linear_q", "linear_q=dequant_mm"):
+        assert choice(o).implementation.name != "gemv_q", o
+
+
+@pytest.mark.cuda
+def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
+    """On a Hopper GPU: a random int4 model's greedy tokens at batch 1 (the pairs run at every layer) with PDL on
+    equal those with it off, graphed."""
+    from helpers import tiny_config
+
+    from polyfuse.backends.triton import _pdl
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0) or not _pdl.TRITON_HAS_PDL:
+        pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 and Triton 3.4+")
+    cfg = tiny_config(hidden_size=256, intermediate_size=512)
+    ids = torch.randint(10, 300, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(_pdl, "ENABLED", on)
+        _pdl._supported.cache_clear()
+        model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", flags=flags, quant="int4")
+        assert model.kernels.choices["add_rms_norm_linear_q"].implementation.name == "gemv_q"
+        out[on] = model.generate(ids, max_new_tokens=24, ignore_eos=True)
+    _pdl._supported.cache_clear()
+    assert torch.equal(out[True], out[False])
