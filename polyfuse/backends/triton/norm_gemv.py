@@ -8,10 +8,11 @@ projection, or the attention's o projection) still runs. The GEMV still waits fo
 normalized row, so the arithmetic and the bits are the composite's (the same two kernels). The SwiGLU kernel before
 the down projection does the same (quant_gemv.py, PAIRED).
 
-One H200, session 14, graphed decode at batch 1 with the head packed, the norm and SwiGLU kernels launching first
-against both waiting first: Llama-3-8B int4 416.7 / 417.1 / 416.6 tok/s against 398.6 / 398.5 / 398.7 (+4.6%),
-Llama-2-70B int4 69.9 against 68.6; the same for every small kernel (rotary + KV write and attention too): 409.8,
-so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before their wait, every small kernel
+One H200, session 14, graphed decode at batch 1 with the head packed, this code on and off (``quant_gemv.PAIRED``
+emptied) in alternating passes: Llama-3-8B int4 414.4 / 414.6 tok/s against 399.1 / 399.1 (+3.8%), Llama-2-70B int4
+69.9 / 69.8 against 68.6 / 68.6, the same greedy tokens. Measured first as a patch of the kernels in separate
+processes: the norm and SwiGLU kernels launching first 416.6-417.1 against 398.2-398.7; every small kernel (rotary +
+KV write and attention too) 409.3-409.9, so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before their wait, every small kernel
 launching first made the decode slower (fp8 377.3 against 392.1, int8 367.8 against 385.5): they keep the plain
 order (the composite).
 """
