@@ -1,20 +1,20 @@
 """``add_rms_norm_linear_q`` for one row of int4 weights: the norm's kernel, then the one-row GEMV, launched as a pair.
 
-The int4 GEMV loads its first weight tiles before its PDL wait (_qgemv.prefetch_tiles): nothing before it writes
-them. With plain PDL the GEMV may launch only once the norm's kernel has passed its own wait, so those loads overlap
-just the norm. Here the norm's kernel lets the GEMV launch first and then waits (_pdl.launch_then_wait): the GEMV's
-programs are placed, and start loading weights, while the kernel before the norm (the previous layer's down
-projection, or the attention's o projection) still runs. The GEMV still waits for the norm whole before it reads the
-normalized row, so the arithmetic and the bits are the composite's (the same two kernels). The SwiGLU kernel before
-the down projection does the same (quant_gemv.py, PAIRED).
+The int4 GEMV loads its first weight tiles before its PDL wait (_qgemv.prefetch_tiles): nothing before it writes them.
+With plain PDL the GEMV may launch only once the norm's kernel has passed its own wait, so those loads overlap just the
+norm. Here the norm's kernel lets the GEMV launch first and then waits (_pdl.launch_then_wait): the GEMV's programs are
+placed, and start loading weights, while the kernel before the norm (the previous layer's down projection, or the
+attention's o projection) still runs. The GEMV still waits for the norm whole before it reads the normalized row, so
+the arithmetic and the bits are the composite's (the same two kernels). The SwiGLU kernel before the down projection
+does the same (quant_gemv.py, PAIRED).
 
 One H200, session 14, graphed decode at batch 1 with the head packed, this code on and off (``quant_gemv.PAIRED``
 emptied) in alternating passes: Llama-3-8B int4 414.4 / 414.6 tok/s against 399.1 / 399.1 (+3.8%), Llama-2-70B int4
 69.9 / 69.8 against 68.6 / 68.6, the same greedy tokens. Measured first as a patch of the kernels in separate
-processes: the norm and SwiGLU kernels launching first 416.6-417.1 against 398.2-398.7; every small kernel (rotary +
-KV write and attention too) 409.3-409.9, so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before their wait, every small kernel
-launching first made the decode slower (fp8 377.3 against 392.1, int8 367.8 against 385.5): they keep the plain
-order (the composite).
+processes: the norm and SwiGLU kernels launching first 416.6-417.1 against 398.2-398.7; every small kernel (rotary + KV
+write and attention too) 409.3-409.9, so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before
+their wait, every small kernel launching first made the decode slower (fp8 377.3 against 392.1, int8 367.8 against
+385.5): they keep the plain order (the composite).
 """
 
 from typing import Optional
