@@ -74,15 +74,15 @@ def _int4_mma_takes(make) -> bool:
 # SwiGLU differs from it by one rounding of each of I = 14336 inputs, which moved 1 of 4096 bf16 outputs of the
 # fp8_block case past the bound on the H200 in run 22; a CPU emulation of the kernel's arithmetic showed the same for
 # every format, and none against this reference).
-# The formats the GEMV takes after SwiGLU's own kernel instead (quant_gemv.PAIRED: int4) get that kernel's rounding:
+# The weights the GEMV takes after SwiGLU's own kernel instead (quant_gemv.paired: int4) get that kernel's rounding:
 # silu(gate) * up in float32, rounded once (against the twice-rounded native SwiGLU, 29 of 4096 outputs of the int4
 # I = 4096 case were past the bound on the H200, session 14).
 def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
-    from polyfuse.backends.triton.quant_gemv import PAIRED
+    from polyfuse.backends.triton.quant_gemv import paired
     from polyfuse.ops.quant_linear import linear_q_native
     from polyfuse.ops.swiglu import swiglu_native
 
-    if qweight.format in PAIRED:
+    if paired(qweight):
         h = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype).float()
     else:
         h = swiglu_native(gate, up).float()

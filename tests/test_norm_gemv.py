@@ -38,8 +38,8 @@ def test_norm_pair_is_the_composite_bit_for_bit(dtype, with_res):
         else:
             normed, r_ref = rms_norm(x, w, 1e-5), x
         y_ref = quant_gemv.linear_q(normed, qw, bias)
-    assert torch.equal(y, y_ref) and torch.equal(r, r_ref)
-    assert y.shape == (1, 1, 96) and r.shape == x.shape
+    assert torch.equal(y, y_ref) and torch.equal(r, r_ref)  # torch.equal ignores dtype: checked apart
+    assert (y.dtype, r.dtype) == (y_ref.dtype, r_ref.dtype) and y.shape == (1, 1, 96) and r.shape == x.shape
 
 
 def test_swiglu_pair_is_the_composite_bit_for_bit():
@@ -49,7 +49,58 @@ def test_swiglu_pair_is_the_composite_bit_for_bit():
     with torch.inference_mode():
         got = quant_gemv.swiglu_linear_q(gate, up, qw)
         want = quant_gemv.linear_q(swiglu(gate, up), qw)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and got.dtype == want.dtype
+
+
+class _Spy:
+    """A Triton kernel stand-in recording each launch's EARLY before launching the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.early = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.early.append(kwargs.get("EARLY"))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_the_pairs_launch_the_small_kernels_early(monkeypatch):
+    """The norm and SwiGLU kernels before the GEMV are launched with EARLY (they let it launch first), the ones the
+    composite launches are not."""
+    from polyfuse.backends.triton import rms_norm as rms_mod
+    from polyfuse.backends.triton import swiglu as swiglu_mod
+
+    norm_spy, swiglu_spy = _Spy(rms_mod._rms_norm_fwd_kernel), _Spy(swiglu_mod._swiglu_fwd_kernel)
+    monkeypatch.setattr(rms_mod, "_rms_norm_fwd_kernel", norm_spy)
+    monkeypatch.setattr(swiglu_mod, "_swiglu_fwd_kernel", swiglu_spy)
+    x, res, w, qw, bias = _inputs()
+    with torch.inference_mode():
+        norm_gemv.add_rms_norm_linear_q(x, res, w, 1e-5, qw, bias)
+        norm_gemv.add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias)
+        add_rms_norm(x, res, w, 1e-5)
+        quant_gemv.swiglu_linear_q(x, res, qw)
+        swiglu(x, res)
+    assert norm_spy.early == [True, True, False] and swiglu_spy.early == [True, False]
+
+
+def test_no_pair_where_the_gemv_loads_nothing_early(monkeypatch):
+    """Act-order int4 (its groups gathered per weight) and POLYFUSE_GEMV_PREFETCH=0 load no weights before the wait:
+    the pairs decline there (the composite's order, as for int8 / fp8)."""
+    import dataclasses
+
+    from polyfuse.backends.triton import _qgemv
+
+    x, res, w, qw, bias = _inputs()
+    with torch.inference_mode():
+        assert quant_gemv.paired(qw)
+        act = dataclasses.replace(qw, act_order=True)
+        assert not quant_gemv.paired(act)
+        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, act)
+        monkeypatch.setattr(_qgemv, "PREFETCH", False)
+        assert not quant_gemv.paired(qw)
+        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw)
 
 
 def test_the_pair_takes_one_row_of_int4_in_inference_only():
@@ -62,6 +113,7 @@ def test_the_pair_takes_one_row_of_int4_in_inference_only():
         two = torch.cat([x, x], dim=1)
         assert norm_gemv.accepts_add_rms_norm_linear_q(two, torch.cat([res, res], 1), w, 1e-5, qw) is not None
     assert norm_gemv.accepts_add_rms_norm_linear_q(x, res, w.requires_grad_(), 1e-5, qw) == "needs gradients"
+    assert norm_gemv.accepts_add_rms_norm_linear_q(x, res.requires_grad_(), w.detach(), 1e-5, qw) == "needs gradients"
 
 
 def test_registry_puts_the_pair_first_for_one_row_and_yields_to_the_runs_norm():
@@ -96,7 +148,8 @@ def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
         monkeypatch.setattr(_pdl, "ENABLED", on)
         _pdl._supported.cache_clear()
         model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", flags=flags, quant="int4")
-        assert model.kernels.choices["add_rms_norm_linear_q"].implementation.name == "gemv_q"
+        for op in ("add_rms_norm_linear_q", "swiglu_linear_q"):
+            assert model.kernels.choices[op].implementation.name == "gemv_q", op
         out[on] = model.generate(ids, max_new_tokens=24, ignore_eos=True)
     _pdl._supported.cache_clear()
     assert torch.equal(out[True], out[False])

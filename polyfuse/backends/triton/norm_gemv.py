@@ -27,12 +27,13 @@ from polyfuse.backends.triton.rms_norm import rms_norm_forward
 
 
 def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) -> Optional[str]:
-    if qweight.format not in quant_gemv.PAIRED:
+    if not quant_gemv.paired(qweight):
         return f"{qweight.format}: its GEMV loads no weights before its wait (the composite's order is faster)"
     if residual is not None and residual.shape != x.shape:
         return "x and residual shapes differ"
+    grads = weight.requires_grad or x.requires_grad or (residual is not None and residual.requires_grad)
     return quant_gemv.accepts_linear_q(x, qweight, bias) or (
-        "needs gradients" if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad) else None
+        "needs gradients" if torch.is_grad_enabled() and grads else None
     )
 
 

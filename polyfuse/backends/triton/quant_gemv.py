@@ -50,14 +50,24 @@ NO_FOLD = ("int4", "int8", "fp8")
 
 # Formats whose one-row GEMV loads weights before its PDL wait (_qgemv.prefetch_tiles): their swiglu_linear_q runs
 # the SwiGLU kernel, which lets the GEMV launch before it waits (_pdl.launch_then_wait), then the GEMV, rather than
-# the fold (norm_gemv.py has the measurements; the norm before q/k/v and gate/up does the same there).
+# the fold (norm_gemv.py has the measurements; the norm before q/k/v and gate/up does the same there). Only where the
+# launch really loads early (``paired``): not act-order int4 nor with POLYFUSE_GEMV_PREFETCH=0.
 PAIRED = ("int4",)
+
+
+def paired(qweight) -> bool:
+    """Whether the one-row GEMV on ``qweight`` is launched after a kernel that lets it launch first."""
+    if qweight.format not in PAIRED:
+        return False
+    from polyfuse.backends.triton.gemv_gptq import loads_early
+
+    return loads_early(qweight)
 
 
 def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     if up.shape != gate.shape:
         return "gate and up shapes differ"
-    if qweight.format in NO_FOLD and gate.is_cuda and qweight.format not in PAIRED:
+    if qweight.format in NO_FOLD and gate.is_cuda and not paired(qweight):
         return f"{qweight.format}: the separate SwiGLU + GEMV is faster (measured)"
     return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
 
@@ -83,7 +93,7 @@ def linear_q(x, qweight, bias=None):
 
 
 def swiglu_linear_q(gate, up, qweight, bias=None):
-    if qweight.format in PAIRED:  # the SwiGLU kernel launching the GEMV first, then the GEMV: the composite's bits
+    if paired(qweight):  # the SwiGLU kernel launching the GEMV first, then the GEMV: the composite's bits
         from polyfuse.backends.triton.swiglu import swiglu_forward
 
         return _gemv(swiglu_forward(gate, up, early=True), None, qweight, bias).view(
