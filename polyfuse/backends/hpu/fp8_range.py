@@ -53,11 +53,12 @@ def fit_gaudi2(qweight: torch.Tensor, scales: torch.Tensor) -> int:
     count = int(rows.sum())
     if count:
         step = max(1, CHUNK // max(qweight.shape[-1], 1))
+        codes = qweight.view(torch.uint8)  # indexed as bytes: torch before 2.8 cannot index fp8 tensors on the CPU
         for r0 in range(0, qweight.shape[0], step):
             hot = rows[r0 : r0 + step]
             if bool(hot.any()):
-                block = qweight[r0 : r0 + step]
-                block[hot] = halve_codes(block[hot])
+                block = codes[r0 : r0 + step]
+                block[hot] = halve_codes(block[hot]).view(torch.uint8)
         view = scales.view(scales.shape[0], -1)
         view[rows] = view[rows] * 2
     return count
