@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from polyfuse.backends.hpu import _habana
-from polyfuse.backends.hpu.fp8_range import GAUDI2_FP8_MAX
+from polyfuse.backends.hpu.fp8_range import device_fp8_max
 from polyfuse.ops.quant_formats import FP8, FP8_MAX
 
 
@@ -61,7 +61,7 @@ def missing_reason() -> Optional[str]:
 
 def fullscale() -> float:
     """e4m3's largest value on this Gaudi: 240 on Gaudi2, 448 on Gaudi3 (and where the bridge does not say)."""
-    return GAUDI2_FP8_MAX if _habana.generation() == "gaudi2" else FP8_MAX
+    return device_fp8_max() or FP8_MAX
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:

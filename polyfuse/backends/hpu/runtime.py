@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from polyfuse.backends.hpu import _habana
-from polyfuse.backends.hpu.fp8_range import GAUDI2_FP8_MAX, fit_gaudi2
+from polyfuse.backends.hpu.fp8_range import device_fp8_max, fit_gaudi2
 from polyfuse.core.runtime import DeviceRuntime, Step
 
 
@@ -136,12 +136,12 @@ class HpuRuntime(DeviceRuntime):
     @classmethod
     def fp8_max(cls):
         """Gaudi2's e4m3 reaches 240 (INC's ``get_fullscale``): fp8 weights quantized here are scaled to it."""
-        return GAUDI2_FP8_MAX if _habana.generation() == "gaudi2" else None
+        return device_fp8_max()
 
     def adapt_quantized(self, weights) -> None:
         """On Gaudi2, fp8 weight rows holding codes beyond its e4m3 range (240) are halved and their scales doubled
         (fp8_range.py); elsewhere nothing changes."""
-        if _habana.generation() != "gaudi2":
+        if device_fp8_max() is None:
             return
         rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
         if rows:

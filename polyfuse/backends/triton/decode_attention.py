@@ -10,8 +10,9 @@ reset by that program) rescales the partials to a common max and writes the outp
 A sliding window (``meta.window``) masks keys at or before ``slot - window`` the same way. With the key mask and
 slot, keys past the slot are not read and the splits wholly past it store nothing (a CUDA graph is captured for the
 cache's length and replayed at every slot, so a long cache early in a generation costs little more than a short one).
-From LONG keys on, programs take blocks of 128 keys at two programs per multiprocessor (LONG_TILE). Other shapes (Lq > 1),
-boolean masks and calls that need gradients are declined (``accepts``): the registry's next choice takes them.
+From LONG keys on, programs take blocks of 128 keys at two programs per multiprocessor (LONG_TILE). Other shapes
+(Lq > 1), boolean masks and calls that need gradients are declined (``accepts``): the registry's next choice takes
+them.
 """
 
 import torch

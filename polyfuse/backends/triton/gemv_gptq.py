@@ -17,10 +17,13 @@ feed no tl.dot). Act-order checkpoints (ACT_ORDER: any g_idx) gather scale and z
 programs whose partial sums the last one adds (_qgemv.store_out).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton import _qgemv
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
     dense_rows,
@@ -177,37 +180,44 @@ def _gemv_gptq_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
-def _plan(qw, tiles=None):
-    """(block_n, block_k8, num_warps, num_stages, act_order) of a launch on ``qw``."""
-    n, k = qw.shape
+def _plan(shape, group_size: int, act_order: bool, tiles=None):
+    """(block_n, block_k8, num_warps, num_stages, act_order) of a launch on an [N, K] int4 weight."""
+    n, k = shape
     block_n, block_k, num_warps, num_stages = tiles or tiles_for("int4", n, k)
     block_k8 = 1 << (max(1, block_k // 8).bit_length() - 1)
-    act_order = bool(qw.act_order)
-    if qw.group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size
-        while block_k8 > 1 and qw.group_size % (8 * block_k8):
+    if group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size
+        while block_k8 > 1 and group_size % (8 * block_k8):
             block_k8 //= 2
-        act_order = act_order or qw.group_size % 8 != 0  # no such tile: gather the group of every weight
+        act_order = act_order or group_size % 8 != 0  # no such tile: gather the group of every weight
     return block_n, block_k8, num_warps, num_stages, act_order
 
 
-def _early_tiles(qw, block_n, block_k8, num_warps, act_order) -> int:
+def _early_tiles(dense: bool, block_n, block_k8, num_warps, act_order) -> int:
     """Weight tiles each program loads before its PDL wait: none with act-order or for a weight the launcher first
     copies into dense rows (a copy made just now), else prefetch_tiles' count."""
-    if act_order or dense_rows(qw.qweight) is not qw.qweight:
+    if act_order or not dense:
         return 0
     return prefetch_tiles("int4", block_k8 * block_n / (32 * num_warps))
 
 
-def loads_early(qw, tiles=None) -> bool:
-    """Whether a one-row launch on ``qw`` loads weights before its PDL wait (what the norm / SwiGLU pairs are for)."""
-    block_n, block_k8, num_warps, _, act_order = _plan(qw, tiles)
-    return _early_tiles(qw, block_n, block_k8, num_warps, act_order) > 0
+@functools.lru_cache(maxsize=None)
+def _loads_early(shape, group_size: int, act_order: bool, dense: bool, prefetch: bool) -> bool:
+    block_n, block_k8, num_warps, _, act_order = _plan(shape, group_size, act_order)
+    return _early_tiles(dense, block_n, block_k8, num_warps, act_order) > 0
+
+
+def loads_early(qw) -> bool:
+    """Whether a one-row launch on ``qw`` loads weights before its PDL wait (what the norm / SwiGLU pairs are for);
+    asked on every decode call of those ops, so answered once per weight shape and layout (``prefetch``, the
+    switch prefetch_tiles reads, keys it too)."""
+    dense = dense_rows(qw.qweight) is qw.qweight
+    return _loads_early(tuple(qw.shape), qw.group_size, bool(qw.act_order), dense, _qgemv.PREFETCH)
 
 
 def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k8, num_warps, num_stages, act_order = _plan(qw, tiles)
+    block_n, block_k8, num_warps, num_stages, act_order = _plan(qw.shape, qw.group_size, bool(qw.act_order), tiles)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k8, block_k8)
@@ -218,7 +228,7 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
-    pre = _early_tiles(qw, block_n, block_k8, num_warps, act_order)
+    pre = _early_tiles(qweight is qw.qweight, block_n, block_k8, num_warps, act_order)
     _gemv_gptq_kernel[(grid_n, split)](
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
