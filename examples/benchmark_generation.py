@@ -263,9 +263,8 @@ def main():
     args = p.parse_args()
     if args.write_checkpoint:
         return write_checkpoint(args.write_checkpoint, args.shapes.split(",")[0])
-    if args.quant_lm_head and (args.tp > 1 or not args.quant):
-        why = "quantized weights with tensor parallelism are not supported yet" if args.quant else "needs --quant"
-        print(f"benchmark_generation.py: error: --quant_lm_head: {why}", file=sys.stderr)
+    if args.quant_lm_head and not args.quant:
+        print("benchmark_generation.py: error: --quant_lm_head: needs --quant", file=sys.stderr)
         sys.exit(2)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -517,10 +516,14 @@ def bench_tp(args, device, dtype, flags, out) -> None:
         rss_before, t0 = rss_bytes(), time.perf_counter()
         if ckpt is not None and args.load:
             model = AutoModelForCausalLM.from_pretrained(
-                ckpt, dtype=dtype, device=device, flags=flags, overrides=args.ops
+                ckpt, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
             )
         else:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops)
+            model = AutoModelForCausalLM.from_config(
+                cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
+            )
+        if args.quant_lm_head:
+            quantize_lm_head_(model, args.quant)
         if cuda:
             torch.cuda.synchronize(device)
         ranks = gather(tp, dict(build_s=round(time.perf_counter() - t0, 2), shard_GB=gb(weight_bytes(model)),
@@ -544,6 +547,8 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                                  all_reduce=model.kernels.as_dict()["all_reduce"]["implementation"])  # fmt: skip
                 if extra:
                     row["variant"] = extra
+                if args.quant:
+                    row["quant"] = args.quant + ("+lm_head" if args.quant_lm_head else "")
                 log(row, out)
         del model
         if cuda:

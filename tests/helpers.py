@@ -320,3 +320,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_tiny_gguf(path, model, types: dict):
+    """A llama GGUF of ``model``'s weights, the projections in the given ggml types (the rest float32)."""
+    gguf = pytest.importorskip("gguf")
+    from polyfuse.engine.loading import hf_state_items
+
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    for key, t in hf_state_items(model):
+        base, suffix = key.rsplit(".", 1)
+        data = t.detach().float().numpy()
+        ggml = next((v for part, v in types.items() if part in key), None)
+        if ggml is None:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+        else:
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[ggml])
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", q, raw_dtype=gguf.GGMLQuantizationType[ggml])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

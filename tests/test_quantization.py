@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
+from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
 from quant_cases import act_order, quantized
 
 from polyfuse.core import registry
@@ -543,35 +543,6 @@ def test_gguf_kept_where_a_kernel_takes_it():
         assert not qz._kernel_takes_quantized(gpu)
 
 
-def _write_tiny_gguf(path, model, types: dict):
-    """A llama GGUF of ``model``'s weights, the projections in the given ggml types (the rest float32)."""
-    gguf = pytest.importorskip("gguf")
-    cfg = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    for key, t in _split_state(model).items():
-        base, suffix = key.rsplit(".", 1)
-        data = t.float().numpy()
-        ggml = next((v for part, v in types.items() if part in key), None)
-        if ggml is None:
-            w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
-        else:
-            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[ggml])
-            w.add_tensor(f"{names.get_name(base)}.{suffix}", q, raw_dtype=gguf.GGMLQuantizationType[ggml])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
     """q/k Q4_1 with v Q8_0 (one fused projection, two types: dequantized), o Q4_0 and gate/up Q8_0 (kept), down
     Q5_0 (no kernel: dequantized); the kept model computes what the dequantized one does."""
@@ -580,7 +551,7 @@ def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
     model = LlamaForCausalLM.from_config(cfg, seed=2)
     types = {"q_proj": "Q4_1", "k_proj": "Q4_1", "v_proj": "Q8_0", "o_proj": "Q4_0", "gate_proj": "Q8_0",
              "up_proj": "Q8_0", "down_proj": "Q5_0"}  # fmt: skip
-    _write_tiny_gguf(tmp_path / "tiny.gguf", model, types)
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, types)
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")  # CPU default: dequantized
     assert not qz.quantized_modules(dense)
     with caplog.at_level(logging.WARNING, logger="polyfuse"):

@@ -7,8 +7,13 @@
   and columns split unevenly, and the built-in model (SmolLM2-135M: 9 heads / 3 kv heads, split 5 + 4): greedy
   tokens equal, logits within 1e-5 of the logit scale (|TP=2 - TP=1| <= 1e-5 * max|logit|; the fp32 spacing at
   the built-in model's logits, ~27, is 1.9e-6, and TP sums each row-parallel product in two halves);
-* ``torchrun ... examples/run_generation.py`` (a random two-layer Llama with the built-in tokenizer): rank 0 prints
-  the output and Stats, the other rank nothing, the output equals the single-process one;
+* quantized weights at TP=2 (the same launch): int4 / int8 / fp8 / fp8_block checkpoints with packed heads and a
+  GGUF's kept blocks against TP=1 (the same bounds), quantization at load (int4 equal, int8 and GPTQ near the float
+  model), uneven halves that pack on one rank only, and a shard that would split an int4 group (one error, every
+  rank);
+* ``torchrun ... examples/run_generation.py`` (a random two-layer Llama with the built-in tokenizer, float and an
+  int8 checkpoint with ``--quant_lm_head``): rank 0 prints the output and Stats, the other rank nothing, the output
+  equals the single-process one;
 * a world size the model cannot split: one ``error:`` line from rank 0, both ranks exit 2 within seconds (two bare
   processes, no launcher to clean up after them) and ``examples/spawn.py`` exits 2 with that one line.
 
@@ -207,7 +212,10 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
     env["POLYFUSE_TP_FLAGS"] = "use_flash_attention,use_cuda_graphs"
     r0, r1 = run_workers(ROOT / "tests" / "tp_worker.py", tmp_path, 600, env, ROOT)
     assert r0["backend"] == "nccl"
+    assert r0["cases"]["split_error"]["error"] and "cannot be split" in r0["cases"]["split_error"]["error"]
     for case, c0 in r0["cases"].items():
+        if case in ("split_error", "load_int8", "uneven_int4"):  # not TP=1's weights: asserted on the CPU
+            continue
         c1 = r1["cases"][case]
         print(case, {k: v for k, v in c0.items() if k.endswith(("_abs", "scale", "agree"))},
               "tokens == TP=1:", c0["tokens"] == c0["ref_tokens"])  # fmt: skip
@@ -215,6 +223,62 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
         assert c0["step_max_abs"] <= 2e-2 * c0["logit_scale"], (case, c0["step_max_abs"], c0["logit_scale"])
         assert c0["forward_top1_agree"] >= 0.95, (case, c0["forward_top1_agree"])
         assert c0["tokens"] == c1["tokens"], case
+
+
+QUANT_CASES = ["ckpt_int4", "ckpt_int8", "ckpt_fp8", "ckpt_fp8_block", "load_int4", "gguf"]
+
+
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_tp2_matches_tp1(tp_results, case):
+    """Quantized checkpoints (int4, int8, fp8, fp8_block, each with its LM head packed) saved at TP=1 and loaded at
+    TP=2, a float checkpoint quantized to int4 while loading (groups aligned with the split; the tied head packed
+    by quantize_lm_head_ from the replicated embedding's rows), and a GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept: the
+    weights are the TP=1 model's, so logits agree to float32 summation order and the greedy tokens are equal."""
+    r0, r1 = (res["cases"][case] for res in tp_results)
+    assert r0["tokens"] == r0["ref_tokens"] and r1["tokens"] == r0["tokens"]
+    bound = 1e-5 * max(1.0, r0["logit_scale"])
+    assert r0["forward_max_abs"] <= bound and r0["step_max_abs"] <= bound, (r0["forward_max_abs"], bound)
+    if case.startswith(("ckpt", "load")):
+        assert r0["head"] == r1["head"] == "QLinear"
+        fmt = case.split("_", 1)[1]
+        assert r0.get("formats", [fmt]) == [fmt]
+    if case == "gguf":
+        assert r0["formats"] == r1["formats"] == ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"]
+    if case == "load_int4":  # each rank packs its own rows of the fused q/k/v: 2 q heads + 1 k + 1 v of 64
+        assert r0["local_qkv_rows"] == r1["local_qkv_rows"] == 256
+
+
+def test_quantized_at_load_per_rank_scales(tp_results):
+    """int8 quantized while loading at TP=2: a row-parallel projection's per-channel scales come from the rank's
+    own columns, so the model is not TP=1's, but about as close to the float model (and to TP=1's int8, closer than
+    that is to the float model): a wrong slice would be off by the logits' scale. GPTQ likewise."""
+    r0, r1 = (res["cases"]["load_int8"] for res in tp_results)
+    assert r0["head"] == "QLinear" and r1["tokens"] == r0["tokens"]
+    assert r0["tp2_vs_float_max_abs"] <= 2 * r0["tp1_vs_float_max_abs"], r0
+    assert r0["forward_max_abs"] <= r0["tp1_vs_float_max_abs"], r0
+    assert r0["forward_top1_agree"] >= 0.9, r0
+    # GPTQ (quantize_model_ with calibration windows) at TP=2: every rank's projections packed, as close again.
+    assert r0["gptq_formats"] == r1["gptq_formats"] == ["int8"]
+    assert r0["gptq_tp2_vs_float_max_abs"] <= 2 * r0["tp1_vs_float_max_abs"], r0
+
+
+def test_uneven_halves_quantize_where_they_pack(tp_results):
+    """int4 at load on 65 + 64 MLP columns: rank 0's gate/up and down cannot pack (8 rows a word) and stay float,
+    rank 1's are int4; the ranks agree on the model (the config's digest leaves out the per-rank formats) and decode
+    the same tokens, near the TP=1 int4 model (whose 129 columns stay float on both projections)."""
+    r0, r1 = (res["cases"]["uneven_int4"] for res in tp_results)
+    assert r0["quantized"] == ["o_proj", "qkv_proj"]
+    assert r1["quantized"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert r1["tokens"] == r0["tokens"]
+    assert r0["forward_max_abs"] <= 0.25 * r0["logit_scale"], r0
+
+
+def test_a_packed_shard_that_splits_a_group_fails_every_rank(tp_results):
+    for res in tp_results:
+        error = res["cases"]["split_error"]["error"]
+        assert error is not None and error.startswith("rank 0 of 2: model.layers.0.mlp.down_proj (int4) cannot be "
+                                                      "split for tensor parallelism"), error  # fmt: skip
+        assert "input columns 0..192 (of 384)" in error and "--quant none" in error
 
 
 def test_tp2_shards(tp_results):
@@ -270,6 +334,27 @@ def test_cli_under_torchrun_rank0_prints(capsys, tiny_cli_model):
     outputs = [line for line in p.stdout.splitlines() if line.startswith("output 1.1:")]
     assert len(outputs) == 1 and p.stdout.count("Stats:") == 1, p.stdout  # rank 1 prints nothing
     assert main(argv) == 0  # the same command in one process
+    single = [line for line in capsys.readouterr().out.splitlines() if line.startswith("output 1.1:")]
+    assert outputs == single
+
+
+def test_cli_under_torchrun_quantized(capsys, tiny_cli_model, tmp_path):
+    """An int8 checkpoint (saved at TP=1) with ``--quant int8 --quant_lm_head`` under torchrun: each rank slices
+    the stored int8 projections and packs its rows of the tied head; the output equals the single process's."""
+    from polyfuse.cli.generate import main
+    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.models import AutoModelForCausalLM
+
+    folder = str(tmp_path / "int8")
+    AutoModelForCausalLM.from_pretrained(tiny_cli_model, quant="int8").save_pretrained(folder)
+    load_tokenizer(tiny_cli_model, None).save_pretrained(folder)
+    argv = ["--model_name_or_path", folder, "--quant", "int8", "--quant_lm_head", *CLI]
+    p = _run(_torchrun(RUN_GENERATION, *argv), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert not _error_lines(p.stderr), p.stderr
+    outputs = [line for line in p.stdout.splitlines() if line.startswith("output 1.1:")]
+    assert len(outputs) == 1 and p.stdout.count("Stats:") == 1, p.stdout
+    assert main(argv) == 0
     single = [line for line in capsys.readouterr().out.splitlines() if line.startswith("output 1.1:")]
     assert outputs == single
 

@@ -33,6 +33,7 @@ from helpers import left_padded, perturb_, positions, random_rows, tiny_config  
 from polyfuse import distributed  # noqa: E402
 from polyfuse.core.errors import CheckpointError  # noqa: E402
 from polyfuse.engine import loading  # noqa: E402
+from polyfuse.engine.quantize import quantized_modules  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 from polyfuse.models.auto import family_for  # noqa: E402
 
@@ -123,6 +124,106 @@ def compare(tp_model, ref, ids, mask, new_tokens: int, eos) -> dict:
     return out
 
 
+def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
+    """Quantized weights at TP=2 against the same at TP=1, on a config whose row-parallel halves start on int4
+    groups (o_proj K = 256 and down_proj K = 512 split in 128s) with a tied head of 320 rows (160 per rank):
+
+    * ``ckpt_<fmt>``: a checkpoint quantized and saved at TP=1 (head packed too), loaded as stored; every rank
+      cuts its slice of the packed components (engine/quant_shards.py), so the weights are the checkpoint's;
+    * ``load_<fmt>``: a float checkpoint quantized while loading (``quant=fmt``) and the head by
+      ``quantize_lm_head_`` (tied: the replicated embedding's rows); int4 groups align, so TP=2 equals TP=1;
+      int8 scales come from each rank's own columns of o_proj / down_proj (close to TP=1, not equal);
+    * ``gguf``: a GGUF with Q8_0 / Q4_0 / Q4_1 projections kept as stored (``quant="gguf"``);
+    * ``split_error``: an int4 checkpoint whose down_proj halves (192 columns) split a group: one error on every
+      rank, before any weight is read."""
+    from helpers import write_tiny_gguf
+
+    from polyfuse.engine.quantize import quantize_lm_head_, quantize_model_
+
+    out = {}
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=320, tie_word_embeddings=True)  # fmt: skip
+    one = dict(kw, tp=distributed.SINGLE)
+    dense = os.path.join(root, "dense")
+    if rank == 0:
+        whole = loading.from_config(family_for("llama"), cfg, seed=4, **one)
+        perturb_(whole, seed=5).save_pretrained(dense)
+        write_tiny_gguf(os.path.join(root, "tiny.gguf"), whole, {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0",
+                        "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q4_1", "down_proj": "Q8_0"})  # fmt: skip
+    dist.barrier()
+    llama = family_for("llama")
+    for fmt in ("int4", "int8", "fp8", "fp8_block"):
+        folder, ref = os.path.join(root, fmt), None
+        if rank == 0:
+            ref = loading.from_pretrained(llama, dense, quant=fmt, **one).eval()
+            quantize_lm_head_(ref, fmt)
+            ref.save_pretrained(folder)
+        dist.barrier()
+        model = AutoModelForCausalLM.from_pretrained(folder, **kw).eval()
+        out[f"ckpt_{fmt}"] = compare(model, ref, ids, mask, 8, eos=7)
+        out[f"ckpt_{fmt}"]["formats"] = sorted({m.format for m in quantized_modules(model).values()})
+        out[f"ckpt_{fmt}"]["head"] = type(model.lm_head).__name__
+        if fmt in ("int4", "int8"):
+            model = AutoModelForCausalLM.from_pretrained(dense, quant=fmt, **kw).eval()
+            quantize_lm_head_(model, fmt)
+            entry = compare(model, ref, ids, mask, 8, eos=7)
+            with torch.no_grad():  # every rank: the TP model's forward holds collectives
+                pos, keep = positions(mask), mask.bool()
+                tp_logits = model(ids, attention_mask=mask, position_ids=pos).logits
+                if rank == 0:  # each quantized model against the float one: the quantization's own error
+                    float_logits = (
+                        loading.from_pretrained(llama, dense, **one)
+                        .eval()(ids, attention_mask=mask, position_ids=pos)
+                        .logits
+                    )
+                    ref_logits = ref(ids, attention_mask=mask, position_ids=pos).logits
+                    entry["tp1_vs_float_max_abs"] = (ref_logits - float_logits)[keep].abs().max().item()
+                    entry["tp2_vs_float_max_abs"] = (tp_logits - float_logits)[keep].abs().max().item()
+            if fmt == "int8":  # GPTQ at TP=2: each rank's H from the inputs its own projections see
+                gptq = AutoModelForCausalLM.from_pretrained(dense, **kw).eval()
+                windows = [torch.tensor(w) for w in random_rows([64, 64], 320, seed=9)]
+                quantize_model_(gptq, "int8", calibration=windows)
+                with torch.no_grad():
+                    gptq_logits = gptq(ids, attention_mask=mask, position_ids=pos).logits
+                if rank == 0:
+                    entry["gptq_tp2_vs_float_max_abs"] = (gptq_logits - float_logits)[keep].abs().max().item()
+                entry["gptq_formats"] = sorted({m.format for m in quantized_modules(gptq).values()})
+            entry["head"] = type(model.lm_head).__name__
+            entry["local_qkv_rows"] = quantized_modules(model)["model.layers.0.self_attn.qkv_proj"].out_features
+            out[f"load_{fmt}"] = entry
+    ref = None
+    if rank == 0:
+        ref = loading.from_pretrained(llama, root, "tiny.gguf", quant="gguf", **one).eval()
+    model = AutoModelForCausalLM.from_pretrained(root, gguf_file="tiny.gguf", quant="gguf", **kw).eval()
+    out["gguf"] = compare(model, ref, ids, mask, 8, eos=7)
+    out["gguf"]["formats"] = sorted({m.format for m in quantized_modules(model).values()})
+
+    # Uneven halves (qwen2_uneven: 65 + 64 MLP columns): int4 packs 8 rows a word, so rank 0's gate/up and down stay
+    # float (one warning) while rank 1's are int4; the ranks still agree on the model and decode together.
+    uneven = os.path.join(root, "uneven")
+    ref = None
+    if rank == 0:
+        qcfg = random_configs()["qwen2_uneven"]
+        loading.from_config(family_for("qwen2"), qcfg, seed=7, **one).save_pretrained(uneven)
+        ref = loading.from_pretrained(family_for("qwen2"), uneven, quant="int4", **one).eval()
+    dist.barrier()
+    model = AutoModelForCausalLM.from_pretrained(uneven, quant="int4", **kw).eval()
+    out["uneven_int4"] = compare(model, ref, ids, mask, 8, eos=7)
+    out["uneven_int4"]["quantized"] = sorted(n.split(".")[-1] for n in quantized_modules(model) if ".0." in n)
+
+    bad = os.path.join(root, "split_error")
+    if rank == 0:
+        odd = tiny_config(hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+        loading.from_config(llama, odd, seed=6, quant="int4", **one).save_pretrained(bad)
+    dist.barrier()
+    try:
+        AutoModelForCausalLM.from_pretrained(bad, **kw)
+        out["split_error"] = {"error": None}
+    except CheckpointError as e:
+        out["split_error"] = {"error": str(e)}
+    return out
+
+
 def main(out_dir: str, cases: list) -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -156,6 +257,9 @@ def main(out_dir: str, cases: list) -> None:
             "kv_cache_layout": list(model.kv_cache_layout()),
         }
         result["cases"][name] = entry
+
+    if not cases or "quantized" in cases:
+        result["cases"].update(quantized_cases(rank, kw, os.path.join(ckpt_root, "quantized"), ids, mask))
 
     path = None
     if not cases or "builtin" in cases:

@@ -9,6 +9,7 @@ Model-agnostic: every function takes the model class (or model). What a class mu
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import time
@@ -261,11 +262,7 @@ def from_pretrained(
     config = model_cls.config_for(raw, where)
     tp = for_build(device, tp, training)
     gguf = _gguf_path(path, gguf_file) if gguf_file is not None else None
-    if quant is None and tp.active:
-        quant = "none"  # tensor parallelism slices float weights: a GGUF is dequantized (engine/shards.py)
     qsetup = quantize.setup(quant, raw, path, gguf, device, dtype, flags, overrides, training, where)
-    if qsetup is not None and tp.active:
-        raise ValueError("quantized weights with tensor parallelism are not supported yet")
     try:
         model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
         with torch.no_grad():
@@ -279,7 +276,10 @@ def from_pretrained(
         error = e
     # Tensor parallelism: every rank learns whether every other loaded, and the same model (no rank left waiting).
     if tp.active:
-        digest = hashlib.sha1(config.to_json_string(use_diff=True).encode()).hexdigest()[:12]
+        # Not the quantization_config: a rank's shapes may take a format another rank's fall back from (int4 needs
+        # multiples of 8 rows: 65 + 64 columns quantize on one rank only), and each rank runs its own projections.
+        fields = {k: v for k, v in config.to_diff_dict().items() if k != "quantization_config"}
+        digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
         agree(tp, error, f"{model_cls.__name__} (config {digest})")
     if qsetup is not None:
         quantize.warn_unaccelerated(model)

@@ -38,8 +38,11 @@ import torch
 from torch import nn
 
 from polyfuse.core.errors import CheckpointError
+from polyfuse.distributed.sharding import TensorParallelError
 from polyfuse.engine.generation import forget_steppers
 from polyfuse.engine.gptq import GPTQ_FORMATS, HessianFactor, gptq_components, record_hessians
+from polyfuse.engine.quant_shards import cannot_split, take
+from polyfuse.engine.shards import read_blocks, shard_for, tp_shards
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
@@ -231,6 +234,7 @@ class QuantSetup:
         self.pending: dict = {}
         self.params: dict = {}
         self.part_of: dict = {}
+        self.shards: dict = {}  # tensor parallelism: {checkpoint fragment: Shard} of this rank (engine/shards.py)
         self.lock = threading.Lock()
 
     # -- decisions ------------------------------------------------------------------------------------------------
@@ -275,11 +279,30 @@ class QuantSetup:
             if any(not torch.equal(g_idx[0], g) for g in g_idx[1:]):
                 self.staged[name] = (fmt, group, parts)
                 return None, 0, "act-order GPTQ: its fused parts have different g_idx: dequantized at load"
+        self._check_split(fmt, group, parts)
         return fmt, group, ""
+
+    def _check_split(self, fmt: str, group: int, parts) -> None:
+        """Tensor parallelism: this rank's rows / columns of each part must be cut from its packed components."""
+        for p, _ in parts:
+            shard = shard_for(self.shards, f"{p}.weight")
+            if shard is None:
+                continue
+            act_order = False
+            if fmt == "int4" and shard.dim == 1 and f"{p}.g_idx" in self.ckpt.keys:
+                g_idx = self.ckpt.read(f"{p}.g_idx")
+                act_order = not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
+            why = cannot_split(fmt, shard, group, act_order)
+            if why:
+                raise TensorParallelError(
+                    f"{p} ({fmt}) cannot be split for tensor parallelism: {why}; load it with --quant none "
+                    "(dequantized), or at another world size"
+                )
 
     def apply(self, model) -> None:
         """Swap the projections that will hold packed weights for QLinear modules (the model is on the meta
         device: nothing is allocated yet). The LM head only where the checkpoint holds it packed."""
+        self.shards = tp_shards(model)[0]
         head = model.get_output_embeddings()
         packed_head = any(f"lm_head.{c}" in self.ckpt.keys for c in ("qweight", "weight_scale"))
         extra = [("lm_head", head)] if packed_head else []  # --quant none: staged, dequantized into the float head
@@ -312,6 +335,7 @@ class QuantSetup:
         """After allocation: the modules and parameters the tensors are copied into."""
         self.qmodules = quantized_modules(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.shards = tp_shards(model)[0]
         self.part_of = {}
         for name, q in self.qmodules.items():
             start = 0
@@ -342,10 +366,16 @@ class QuantSetup:
         hf = self.part_of[(mod, rows.start)]
         if comp in IGNORED:
             return f"{hf}.{comp}"
+        shard = shard_for(self.shards, f"{hf}.weight")
+        sliced = comp == "weight" and shard is not None and _dtype(tensor) in DENSE
+        if sliced:  # a float weight quantized at load: only this rank's rows / columns are read
+            tensor = read_blocks(_sliceable(tensor), shard.dim, shard.blocks)
         t = _resolve(tensor)
         if comp == "weight" and t.dtype in DENSE:
             if self.request not in LOAD_TIME_FORMATS:
                 raise CheckpointError(f"{hf}.weight: a float weight where the checkpoint's format is {q.format}")
+            if shard is not None and not sliced:
+                t = read_blocks(t, shard.dim, shard.blocks)
             w = t.to(device=q.qweight.device, dtype=torch.float32)
             for buf, value in device_quantizer(w.device)(q.format, w, q.group_size or INT4_GROUP).items():
                 self._write(mod, q, buf, rows, value, hf)
@@ -353,6 +383,13 @@ class QuantSetup:
         buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
         if buf not in q.spec:
             raise CheckpointError(f"unexpected weight {hf}.{comp} for a {q.format} projection")
+        if shard is not None:  # the whole part's component, in its shape, then this rank's entries of it
+            n, k = _whole(rows.stop - rows.start, q.in_features, shard)
+            spec = components(q.format, n, k, q.group_size or INT4_GROUP)[buf]
+            t = self._adapt(q.format, buf, t, spec.shape)
+            if tuple(t.shape) != tuple(spec.shape):
+                raise CheckpointError(f"weight {hf}.{comp} has shape {tuple(t.shape)}, expected {tuple(spec.shape)}")
+            t = take(buf, t, spec, shard, q.group_size)
         self._write(mod, q, buf, rows, t, hf)
         return f"{hf}.{comp}"
 
@@ -398,7 +435,8 @@ class QuantSetup:
         if comp in IGNORED:
             return f"{hf}.{comp}"
         buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
-        n, k = rows.stop - rows.start, self.params[mod + ".weight"].shape[1]
+        shard = shard_for(self.shards, f"{hf}.weight")  # TP: the whole part is dequantized, then this rank's slice
+        n, k = _whole(rows.stop - rows.start, self.params[mod + ".weight"].shape[1], shard)
         spec = components(fmt, n, k, group)
         if buf not in spec:
             raise CheckpointError(f"unexpected weight {hf}.{comp} for a {fmt} projection")
@@ -410,7 +448,8 @@ class QuantSetup:
                 return f"{hf}.{comp}"
             del self.pending[(mod, rows.start)]
         qw = QuantizedWeight(fmt, (n, k), group_size=group if fmt in ("int4", "fp8_block") else 0, **have)
-        self.params[mod + ".weight"].data[rows].copy_(dequantize(qw, torch.float32))
+        w = dequantize(qw, torch.float32)
+        self.params[mod + ".weight"].data[rows].copy_(w if shard is None else read_blocks(w, shard.dim, shard.blocks))
         return f"{hf}.weight"
 
     def finish(self, model) -> None:
@@ -421,6 +460,28 @@ class QuantSetup:
         if missing:
             raise CheckpointError(f"checkpoint is missing {len(missing)} quantized tensor(s), e.g. {missing[0]!r}")
         finalize(model)
+
+
+def _whole(n: int, k: int, shard) -> tuple[int, int]:
+    """(N, K) of a whole checkpoint part whose rank holds [n, k] of it under ``shard`` (None: all of it)."""
+    if shard is None:
+        return n, k
+    return (shard.size, k) if shard.dim == 0 else (n, shard.size)
+
+
+def _dtype(tensor) -> Optional[torch.dtype]:
+    """A checkpoint tensor's dtype without reading it (a safetensors reader's span; None where it has none)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype
+    span = getattr(tensor, "span", None)
+    return getattr(span, "dtype", None)
+
+
+def _sliceable(tensor):
+    """A tensor, or a reader that slices (safetensors' get_slice); any other reader is read whole first."""
+    if isinstance(tensor, torch.Tensor) or hasattr(tensor, "slice"):
+        return tensor
+    return _resolve(tensor)
 
 
 def _starts(parts) -> list[int]:
@@ -581,14 +642,17 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
         fmt = fmts.pop()
     if fmt not in LOAD_TIME_FORMATS:
         raise ValueError(f"--quant_lm_head: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
-    if getattr(model, "vocab", None) is not None:
-        raise ValueError("--quant_lm_head: quantized weights with tensor parallelism are not supported yet")
     groups = {q.group_size for q in quantized_modules(model).values() if q.format == fmt and q.group_size}
     group = groups.pop() if len(groups) == 1 else INT4_GROUP  # the projections' group: a GPTQ save stays GPTQ
     why = cannot_pack(fmt, head.in_features, (head.out_features,))
     if why:
         logger.warning("warning: --quant_lm_head %s: %s: the LM head keeps the run's dtype", fmt, why)
         return False
+    vocab = getattr(model, "vocab", None)  # tensor parallelism: the rank's rows of the vocab-parallel head
+    if vocab is not None and head.weight.shape[0] != head.out_features:  # tied: the replicated embedding's rows
+        rows = nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
+        rows.weight = nn.Parameter(head.weight[vocab.start : vocab.stop], requires_grad=False)
+        head = rows
     model.config.tie_word_embeddings = False
     model.lm_head = _pack(head, fmt, [("lm_head", head.out_features)], group)
     finalize(model)

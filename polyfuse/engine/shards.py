@@ -33,10 +33,24 @@ def _shape(tensor) -> Optional[tuple]:
     return tuple(span.shape) if span is not None else None
 
 
+def shard_for(shards: dict, hf_name: str):
+    """The ``Shard`` of checkpoint tensor ``hf_name`` (a weight or a packed component), or None: read whole."""
+    return next((s for frag, s in shards.items() if f".{frag}." in f".{hf_name}"), None)
+
+
+def read_blocks(tensor, dim: int, blocks) -> torch.Tensor:
+    """The ``blocks`` ([start, stop) along ``dim``) of a tensor or a reader with ``slice``, concatenated."""
+    pieces = []
+    for start, stop in blocks:
+        index = (slice(None),) * dim + (slice(start, stop),)
+        pieces.append(tensor[index] if isinstance(tensor, torch.Tensor) else tensor.slice(index))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+
 def copy_shard(dst: torch.Tensor, tensor, shards: dict, hf_name: str, rank: int) -> bool:
     """Copy this rank's part of the checkpoint tensor ``hf_name`` into ``dst`` when the model shards it; False (and
     nothing copied) when it is read whole."""
-    shard = next((s for frag, s in shards.items() if f".{frag}." in f".{hf_name}"), None)
+    shard = shard_for(shards, hf_name)
     if shard is None:
         return False
     if not isinstance(tensor, torch.Tensor) and (not hasattr(tensor, "slice") or _shape(tensor) is None):

@@ -475,9 +475,9 @@ class DecoderForCausalLM(nn.Module):
         self.model.rotary_emb.ensure_length(n)
         h = self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
         if labels is None:
-            if isinstance(self.lm_head, QLinear):
-                return CausalLMOutput(logits=self.head_logits(h))
-            return CausalLMOutput(logits=self.lm_head(h) if self.vocab is None else self.vocab_parallel_logits(h))
+            if self.vocab is not None:
+                return CausalLMOutput(logits=self.vocab_parallel_logits(h))
+            return CausalLMOutput(logits=self.head_logits(h) if isinstance(self.lm_head, QLinear) else self.lm_head(h))
         if self.vocab is not None:
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
@@ -514,10 +514,14 @@ class DecoderForCausalLM(nn.Module):
 
     def vocab_parallel_logits(self, h) -> torch.Tensor:
         """Tensor parallelism: the logits of this rank's vocabulary rows, zero-padded to the whole vocabulary and
-        summed over the ranks (the ``all_reduce`` op), so every rank holds the same full logits."""
-        w = self.lm_head.weight
-        if w.shape[0] != len(self.vocab):  # tied: the head is the replicated embedding; this rank's rows of it
-            w = w[self.vocab.start : self.vocab.stop]
-        local = self.kernels.linear(h, w, self.lm_head.bias)
+        summed over the ranks (the ``all_reduce`` op), so every rank holds the same full logits. A packed head
+        (--quant_lm_head) holds this rank's rows."""
+        if isinstance(self.lm_head, QLinear):
+            local = self.head_logits(h)
+        else:
+            w = self.lm_head.weight
+            if w.shape[0] != len(self.vocab):  # tied: the head is the replicated embedding; this rank's rows of it
+                w = w[self.vocab.start : self.vocab.stop]
+            local = self.kernels.linear(h, w, self.lm_head.bias)
         full = torch.nn.functional.pad(local, (self.vocab.start, self.config.vocab_size - self.vocab.stop))
         return self.kernels.all_reduce(full, self.tp.group)

@@ -66,6 +66,12 @@ class Component:
     dtype: torch.dtype
     n_dim: Optional[int]  # the dim indexing output rows (None: shared by all rows, e.g. g_idx)
     n_per: int = 1  # output rows per index along n_dim (8 for int4's packed zeros)
+    # The dim indexing input columns (None: none, e.g. a per-channel scale): ``k_span`` indices per ``k_per``
+    # columns (int4's words: 1 per 8; its scales: 1 per group; a GGUF block: 34, 18 or 20 bytes per 32). Tensor
+    # parallelism slices a row-parallel projection's components along it (engine/quant_shards.py).
+    k_dim: Optional[int] = None
+    k_per: int = 1
+    k_span: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,23 +99,24 @@ def describe(fmt: str, group_size: int = INT4_GROUP) -> str:
 def components(fmt: str, n: int, k: int, group_size: int = INT4_GROUP) -> dict[str, Component]:
     """The buffers of ``fmt`` for a [n, k] weight (shapes for a model's meta-built modules and for checks)."""
     if fmt in ("int8", "fp8"):
-        return {"qweight": Component((n, k), torch.int8 if fmt == "int8" else FP8, 0),
+        return {"qweight": Component((n, k), torch.int8 if fmt == "int8" else FP8, 0, k_dim=1),
                 "scales": Component((n,), torch.float32, 0)}  # fmt: skip
     if fmt == "fp8_block":
         return {
-            "qweight": Component((n, k), FP8, 0),
-            "scales": Component((n, math.ceil(k / FP8_BLOCK)), torch.float32, 0),
+            "qweight": Component((n, k), FP8, 0, k_dim=1),
+            "scales": Component((n, math.ceil(k / FP8_BLOCK)), torch.float32, 0, k_dim=1, k_per=FP8_BLOCK),
         }
     if fmt == "int4":
         g = math.ceil(k / group_size)
         return {
-            "qweight": Component((k // 8, n), torch.int32, 1),
-            "qzeros": Component((g, n // 8), torch.int32, 1, 8),
-            "scales": Component((g, n), torch.float16, 1),
-            "g_idx": Component((k,), torch.int32, None),
+            "qweight": Component((k // 8, n), torch.int32, 1, k_dim=0, k_per=8),
+            "qzeros": Component((g, n // 8), torch.int32, 1, 8, k_dim=0, k_per=group_size),
+            "scales": Component((g, n), torch.float16, 1, k_dim=0, k_per=group_size),
+            "g_idx": Component((k,), torch.int32, None, k_dim=0),
         }
     if fmt in GGUF_BYTES:
-        return {"qweight": Component((n, k // GGUF_BLOCK * GGUF_BYTES[fmt]), torch.uint8, 0)}
+        b = GGUF_BYTES[fmt]
+        return {"qweight": Component((n, k // GGUF_BLOCK * b), torch.uint8, 0, k_dim=1, k_per=GGUF_BLOCK, k_span=b)}
     raise ValueError(f"unknown quantized format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
