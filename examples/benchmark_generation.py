@@ -564,7 +564,10 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                     log(dict(what="decode", impl="transformers", mode=mode, tp_plan="auto", shape=shape, bs=bs,
                              error=str(e)[:300]), out)  # fmt: skip
                     continue
-                log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, tp_plan="auto"), out)
+                row = decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, tp_plan="auto")
+                if args.quant:  # the peer is the bf16 checkpoint (no quantized tp_plan peer here)
+                    row["peer_quant"] = "none"
+                log(row, out)
         del hf
         if cuda:
             torch.cuda.empty_cache()

@@ -340,7 +340,7 @@ def write_tiny_gguf(path, model, types: dict):
     w.add_vocab_size(cfg.vocab_size)
     for key, t in hf_state_items(model):
         base, suffix = key.rsplit(".", 1)
-        data = t.detach().float().numpy()
+        data = t.detach().float().cpu().numpy()
         ggml = next((v for part, v in types.items() if part in key), None)
         if ggml is None:
             w.add_tensor(f"{names.get_name(base)}.{suffix}", data)

@@ -120,3 +120,28 @@ def test_the_load_reads_g_idx_to_refuse_act_order_by_columns_only():
                 setup._check_split("int4", 128, [(name, 128)])
         else:
             setup._check_split("int4", 128, [(name, 128)])
+
+
+def test_one_group_over_all_of_k_is_taken_whole_by_every_rank():
+    """AutoGPTQ's group_size -1 (per-channel int4): the load sets the group to the whole projection's K, and each
+    rank of a row-parallel split holds that one group's scales and zeros."""
+    torch.manual_seed(4)
+    qw = quantize("int4", torch.randn(16, 256), group_size=256)
+    for shard in (Shard(1, ((0, 128),), 256), Shard(1, ((128, 256),), 256)):
+        assert cannot_split("int4", shard, 256) is None
+        assert torch.equal(dequantize(_local(qw, shard)), _rows(dequantize(qw), shard))
+
+
+def test_gguf_blocks_kept_under_tensor_parallelism_are_checked_when_built():
+    from torch import nn
+
+    from polyfuse.distributed.sharding import TensorParallelError
+    from polyfuse.engine.quantize import Checkpoint, QuantSetup
+
+    name = "model.layers.0.mlp.down_proj"
+    setup = QuantSetup("gguf", Checkpoint("gguf", gguf_types={f"{name}.weight": "Q4_1"}), True, "cpu", torch.float32)
+    setup.shards = {"mlp.down_proj": Shard(1, ((16, 48),), 96)}  # 32 columns, but from the middle of a block
+    with pytest.raises(TensorParallelError, match=r"down_proj \(gguf_q4_1\) cannot be split .*one entry per 32"):
+        setup._module_format(name, nn.Linear(32, 16, device="meta"), [(name, 16)])
+    setup.shards = {"mlp.down_proj": Shard(1, ((32, 64),), 96)}
+    assert setup._module_format(name, nn.Linear(32, 16, device="meta"), [(name, 16)])[0] == "gguf_q4_1"

@@ -214,7 +214,7 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
     assert r0["backend"] == "nccl"
     assert r0["cases"]["split_error"]["error"] and "cannot be split" in r0["cases"]["split_error"]["error"]
     for case, c0 in r0["cases"].items():
-        if case in ("split_error", "load_int8", "uneven_int4"):  # not TP=1's weights: asserted on the CPU
+        if case in ("split_error", "shape_error", "load_int8", "uneven_int4"):  # no TP=1 twin: asserted on the CPU
             continue
         c1 = r1["cases"][case]
         print(case, {k: v for k, v in c0.items() if k.endswith(("_abs", "scale", "agree"))},
@@ -240,12 +240,32 @@ def test_quantized_tp2_matches_tp1(tp_results, case):
     assert r0["forward_max_abs"] <= bound and r0["step_max_abs"] <= bound, (r0["forward_max_abs"], bound)
     if case.startswith(("ckpt", "load")):
         assert r0["head"] == r1["head"] == "QLinear"
-        fmt = case.split("_", 1)[1]
-        assert r0.get("formats", [fmt]) == [fmt]
+        assert r0["formats"] == r1["formats"] == [case.split("_", 1)[1]]
     if case == "gguf":
         assert r0["formats"] == r1["formats"] == ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"]
     if case == "load_int4":  # each rank packs its own rows of the fused q/k/v: 2 q heads + 1 k + 1 v of 64
         assert r0["local_qkv_rows"] == r1["local_qkv_rows"] == 256
+
+
+LAYOUT_CASES = [f"{n}_{q}" for n in ("gptq_channel", "ct_block", "tied_head") for q in ("kept", "none")]
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES)
+def test_checkpoint_layouts_tp2_match_tp1(tp_results, case):
+    """AutoGPTQ int4 with one group over K, compressed-tensors fp8 with 128 x 128 blocks, and a packed head under a
+    tied config, each kept as stored and dequantized (``quant="none"``): TP=1's tokens and logits."""
+    r0, r1 = (res["cases"][case] for res in tp_results)
+    assert r0["tokens"] == r0["ref_tokens"] and r1["tokens"] == r0["tokens"]
+    bound = 1e-5 * max(1.0, r0["logit_scale"])
+    assert r0["forward_max_abs"] <= bound and r0["step_max_abs"] <= bound, (r0["forward_max_abs"], bound)
+    kept = {"gptq_channel": ["int4"], "ct_block": ["fp8_block"], "tied_head": ["int8"]}[case.rsplit("_", 1)[0]]
+    assert r0["formats"] == r1["formats"] == (kept if case.endswith("kept") else [])
+
+
+def test_a_float_weight_of_the_wrong_shape_fails_every_rank(tp_results):
+    """Quantizing at load reads only the rank's slice; the whole weight's shape is still checked first."""
+    for res in tp_results:
+        assert res["cases"]["shape_error"]["error"].endswith("has shape (256, 512), expected (256, 384)")
 
 
 def test_quantized_at_load_per_rank_scales(tp_results):

@@ -189,6 +189,7 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
                     entry["gptq_tp2_vs_float_max_abs"] = (gptq_logits - float_logits)[keep].abs().max().item()
                 entry["gptq_formats"] = sorted({m.format for m in quantized_modules(gptq).values()})
             entry["head"] = type(model.lm_head).__name__
+            entry["formats"] = sorted({m.format for m in quantized_modules(model).values()})
             entry["local_qkv_rows"] = quantized_modules(model)["model.layers.0.self_attn.qkv_proj"].out_features
             out[f"load_{fmt}"] = entry
     ref = None
@@ -221,6 +222,82 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
         out["split_error"] = {"error": None}
     except CheckpointError as e:
         out["split_error"] = {"error": str(e)}
+    return out
+
+
+def _rewrite(src: str, dst: str, convert, quantization_config: dict, config=None) -> None:
+    """``src``'s checkpoint with each projection's weight replaced by ``convert(weight)``'s tensors (a quantized
+    layout written the way its own tools write it), and ``quantization_config`` in its config."""
+    from safetensors.torch import load_file, save_file
+
+    proj = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    out = {}
+    for key, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if key.endswith(".weight") and any(f".{p}." in key for p in proj):
+            out.update({f"{key[: -len('weight')]}{c}": t.contiguous() for c, t in convert(w.float()).items()})
+        else:
+            out[key] = w
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f:
+        raw = dict(json.load(f), **(config or {}))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(dict(raw, quantization_config=quantization_config), f)
+
+
+def _ct_block_fp8(w):
+    """compressed-tensors fp8 with 128 x 128 block scales (Qwen3-FP8's layout)."""
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-k // 128)
+    blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
+    scale = blocks.abs().amax((1, 3)) / 448.0
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return {"weight": (w / full).to(torch.float8_e4m3fn), "weight_scale": scale}
+
+
+def layout_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
+    """Checkpoint layouts beside polyfuse's own at TP=2 against TP=1, kept and with ``quant="none"``: AutoGPTQ int4
+    with ``group_size: -1`` (one group over all of K: every rank takes it whole), compressed-tensors fp8 with 128 x
+    128 block scales, an int8 checkpoint with a packed head under a config that says tied (the head untied into
+    the rank's rows), and a config whose sizes do not match its float weights (one error, every rank)."""
+    from polyfuse.engine.quantize import quantize_lm_head_
+    from polyfuse.ops.quant_formats import quantize_components
+
+    out, one, llama = {}, dict(kw, tp=distributed.SINGLE), family_for("llama")
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=320, tie_word_embeddings=True)  # fmt: skip
+    dense = os.path.join(root, "dense")
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "checkpoint_format": "gptq"}
+    ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8,
+                                                                     "strategy": "block", "block_structure": [128, 128]}}}}  # fmt: skip
+    if rank == 0:
+        whole = loading.from_config(llama, cfg, seed=8, **one)
+        perturb_(whole, seed=9).save_pretrained(dense)
+        _rewrite(dense, os.path.join(root, "gptq_channel"), lambda w: quantize_components("int4", w, w.shape[1]), gptq)
+        _rewrite(dense, os.path.join(root, "ct_block"), _ct_block_fp8, ct)
+        packed = loading.from_pretrained(llama, dense, quant="int8", **one)
+        quantize_lm_head_(packed, "int8")
+        packed.save_pretrained(os.path.join(root, "tied_head"))
+        with open(os.path.join(root, "tied_head", "config.json")) as f:
+            raw = dict(json.load(f), tie_word_embeddings=True)
+        with open(os.path.join(root, "tied_head", "config.json"), "w") as f:
+            json.dump(raw, f)
+        _rewrite(dense, os.path.join(root, "mismatch"), lambda w: {"weight": w}, None, {"intermediate_size": 384})
+    dist.barrier()
+    for name in ("gptq_channel", "ct_block", "tied_head"):
+        folder = os.path.join(root, name)
+        for quant in (None, "none"):
+            ref = loading.from_pretrained(llama, folder, quant=quant, **one).eval() if rank == 0 else None
+            model = AutoModelForCausalLM.from_pretrained(folder, quant=quant, **kw).eval()
+            entry = compare(model, ref, ids, mask, 4, eos=7)
+            entry["formats"] = sorted({m.format for m in quantized_modules(model).values()})
+            out[f"{name}_{quant or 'kept'}"] = entry
+    try:
+        AutoModelForCausalLM.from_pretrained(os.path.join(root, "mismatch"), quant="int8", **kw)
+        out["shape_error"] = {"error": None}
+    except CheckpointError as e:
+        out["shape_error"] = {"error": str(e)}
     return out
 
 
@@ -260,6 +337,7 @@ def main(out_dir: str, cases: list) -> None:
 
     if not cases or "quantized" in cases:
         result["cases"].update(quantized_cases(rank, kw, os.path.join(ckpt_root, "quantized"), ids, mask))
+        result["cases"].update(layout_cases(rank, kw, os.path.join(ckpt_root, "layouts"), ids, mask))
 
     path = None
     if not cases or "builtin" in cases:

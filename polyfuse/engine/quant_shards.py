@@ -42,8 +42,8 @@ def cannot_split(fmt: str, shard: Shard, group_size: int = INT4_GROUP, act_order
     what = "output rows" if shard.dim == 0 else "input columns"
     for name, comp in components(fmt, 256, 256, group_size or INT4_GROUP).items():
         dim, per, _ = _axis(comp, shard)
-        if dim is None or per == 1:
-            continue
+        if dim is None or per == 1 or (shard.dim == 1 and per >= shard.size):
+            continue  # (one entry over all of K, as a per-channel GPTQ's one group: every rank takes it whole)
         for i, (start, stop) in enumerate(shard.blocks):
             ends = stop == shard.size and i == len(shard.blocks) - 1  # a last partial group / block is whole here
             if start % per or (stop % per and not ends):

@@ -42,7 +42,7 @@ from polyfuse.distributed.sharding import TensorParallelError
 from polyfuse.engine.generation import forget_steppers
 from polyfuse.engine.gptq import GPTQ_FORMATS, HessianFactor, gptq_components, record_hessians
 from polyfuse.engine.quant_shards import cannot_split, take
-from polyfuse.engine.shards import read_blocks, shard_for, tp_shards
+from polyfuse.engine.shards import read_blocks, shape_of, shard_for, tp_shards
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
@@ -252,6 +252,8 @@ class QuantSetup:
             if len(types) == 1 and None not in kept and self.keep_gguf:
                 fmt = kept.pop()
                 why = cannot_pack(fmt, k, sizes)
+                if not why:
+                    self._check_split(fmt, 0, parts)
                 return (None, 0, why) if why else (fmt, 0, "")
             other = sorted(t for t in types if t and t not in GGUF_TYPES and t not in GGUF_FLOAT)
             if other:
@@ -269,8 +271,11 @@ class QuantSetup:
             if len(fmts) != 1 or None in fmts:
                 raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
             fmt, group = fmts.pop(), int(ck.groups.get(parts[0][0], INT4_GROUP))
-        else:
-            fmt, group = ck.fmt, ck.group_size if ck.group_size > 0 else k
+        else:  # group_size -1: one group over all of K (of the whole projection, under tensor parallelism)
+            whole_k = max(
+                [s.size for p, _ in parts if (s := shard_for(self.shards, f"{p}.weight")) and s.dim == 1] or [k]
+            )
+            fmt, group = ck.fmt, ck.group_size if ck.group_size > 0 else whole_k
         if self.request == "none":
             self.staged[name] = (fmt, group, parts)
             return None, 0, ""
@@ -310,8 +315,9 @@ class QuantSetup:
             logger.warning("warning: tie_word_embeddings is true but the checkpoint holds a packed lm_head; untying "
                            "them (the head keeps its own weights, the embedding its own)")  # fmt: skip
             model.config.tie_word_embeddings = False
-            w = head.weight
-            head.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device=w.device), w.requires_grad)
+            w = head.weight  # tied: the embedding's [vocab, hidden]; the head's own is its (rank's) rows
+            shape = (head.out_features, head.in_features)
+            head.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype, device=w.device), w.requires_grad)
         for name, lin in _candidates(model) + extra:
             parts = _parts(model, name, lin.out_features)
             fmt, group, why = self._module_format(name, lin, parts)
@@ -367,14 +373,17 @@ class QuantSetup:
         if comp in IGNORED:
             return f"{hf}.{comp}"
         shard = shard_for(self.shards, f"{hf}.weight")
+        whole = _whole(rows.stop - rows.start, q.in_features, shard)
         sliced = comp == "weight" and shard is not None and _dtype(tensor) in DENSE
         if sliced:  # a float weight quantized at load: only this rank's rows / columns are read
+            _check_shape(hf, shape_of(tensor), whole)
             tensor = read_blocks(_sliceable(tensor), shard.dim, shard.blocks)
         t = _resolve(tensor)
         if comp == "weight" and t.dtype in DENSE:
             if self.request not in LOAD_TIME_FORMATS:
                 raise CheckpointError(f"{hf}.weight: a float weight where the checkpoint's format is {q.format}")
             if shard is not None and not sliced:
+                _check_shape(hf, tuple(t.shape), whole)
                 t = read_blocks(t, shard.dim, shard.blocks)
             w = t.to(device=q.qweight.device, dtype=torch.float32)
             for buf, value in device_quantizer(w.device)(q.format, w, q.group_size or INT4_GROUP).items():
@@ -384,8 +393,7 @@ class QuantSetup:
         if buf not in q.spec:
             raise CheckpointError(f"unexpected weight {hf}.{comp} for a {q.format} projection")
         if shard is not None:  # the whole part's component, in its shape, then this rank's entries of it
-            n, k = _whole(rows.stop - rows.start, q.in_features, shard)
-            spec = components(q.format, n, k, q.group_size or INT4_GROUP)[buf]
+            spec = components(q.format, *whole, q.group_size or INT4_GROUP)[buf]
             t = self._adapt(q.format, buf, t, spec.shape)
             if tuple(t.shape) != tuple(spec.shape):
                 raise CheckpointError(f"weight {hf}.{comp} has shape {tuple(t.shape)}, expected {tuple(spec.shape)}")
@@ -467,6 +475,12 @@ def _whole(n: int, k: int, shard) -> tuple[int, int]:
     if shard is None:
         return n, k
     return (shard.size, k) if shard.dim == 0 else (n, shard.size)
+
+
+def _check_shape(hf: str, shape: Optional[tuple], whole: tuple) -> None:
+    """A float weight sliced for tensor parallelism must have the whole projection's shape (None: unknown here)."""
+    if shape is not None and tuple(shape) != tuple(whole):
+        raise CheckpointError(f"weight {hf}.weight has shape {tuple(shape)}, expected {tuple(whole)}")
 
 
 def _dtype(tensor) -> Optional[torch.dtype]:

@@ -26,7 +26,8 @@ def tp_shards(model) -> tuple[dict, int]:
     return shards, getattr(getattr(model, "tp", None), "rank", 0)
 
 
-def _shape(tensor) -> Optional[tuple]:
+def shape_of(tensor) -> Optional[tuple]:
+    """A checkpoint tensor's shape without reading it (a tensor, or a safetensors reader's span; else None)."""
     if isinstance(tensor, torch.Tensor):
         return tuple(tensor.shape)
     span = getattr(tensor, "span", None)
@@ -53,9 +54,9 @@ def copy_shard(dst: torch.Tensor, tensor, shards: dict, hf_name: str, rank: int)
     shard = shard_for(shards, hf_name)
     if shard is None:
         return False
-    if not isinstance(tensor, torch.Tensor) and (not hasattr(tensor, "slice") or _shape(tensor) is None):
+    if not isinstance(tensor, torch.Tensor) and (not hasattr(tensor, "slice") or shape_of(tensor) is None):
         tensor = tensor()  # a reader that cannot slice (GGUF yields whole tensors anyway): read whole, then slice
-    shape = _shape(tensor)
+    shape = shape_of(tensor)
     if dst.dim() <= shard.dim:  # a row-parallel projection's bias: added once, by rank 0; the others hold zeros
         expected = tuple(dst.shape)
     else:
