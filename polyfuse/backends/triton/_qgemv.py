@@ -210,8 +210,9 @@ PROGRAMS_PER_SM = {
 # format. Measured on one H200 (session 12, decode batch 1, the same model with and
 # without, alternating): int4 on every projection 363.8 against 344.3 tok/s (8B), 62.9 against 59.6 (70B); int8 and
 # fp8 on every projection 384.1 against 388.8 and 375.5 against 395.4, on 8B qkv / o / down only 384.4 against 388.5
-# and 391.5 against 395.3, fp8 on 70B qkv (and o) 55.6-56.5 (56.2) against 56.5: off. POLYFUSE_GEMV_PREFETCH=0 turns
-# it off.
+# and 391.5 against 395.3, fp8 on 70B qkv (and o) 55.6-56.5 (56.2) against 56.5: off. With the norm / SwiGLU kernel
+# launching the GEMV first too (the int4 pairs; session 15): fp8 379.5 against 392.4, int8 382.0 against 386.3: still
+# off. POLYFUSE_GEMV_PREFETCH=0 turns it off.
 PREFETCH_REGS = {"int4": 32}
 PREFETCH = os.environ.get("POLYFUSE_GEMV_PREFETCH", "1") != "0"
 _env = os.environ.get("POLYFUSE_QGEMV_TILES")

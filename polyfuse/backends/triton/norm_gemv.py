@@ -14,7 +14,8 @@ emptied) in alternating passes: Llama-3-8B int4 414.4 / 414.6 tok/s against 399.
 processes: the norm and SwiGLU kernels launching first 416.6-417.1 against 398.2-398.7; every small kernel (rotary + KV
 write and attention too) 409.3-409.9, so those two keep waiting first. For int8 / fp8, whose GEMVs load nothing before
 their wait, every small kernel launching first made the decode slower (fp8 377.3 against 392.1, int8 367.8 against
-385.5): they keep the plain order (the composite).
+385.5), and so did these pairs with their GEMVs loading weights early (session 15: fp8 379.5 against 392.4, int8 382.0
+against 386.3): they keep the plain order (the composite).
 """
 
 from typing import Optional
