@@ -331,7 +331,7 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
     from polyfuse.backends.triton.dequant_mm import dequantize_q, linear_q
 
     gen = torch.Generator().manual_seed(6)
-    weights = [quantized(f, 72, 320, "cpu") for f in ("int4", "int4_act", "int8")]
+    weights = [quantized(f, 72, 320, "cpu") for f in ("int4", "int4_act", "int8", "fp8", "fp8_block")]
     weights += [qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g) for g in (32, 192)]
     for qw in weights:
         w = dequantize_q(qw, dtype)
@@ -394,11 +394,11 @@ def recording_kernels(calls):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_which_implementation_takes_which_rows(dtype):
-    """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows: linear_q's
-    dequantize kernel + F.linear (int4 / int8), and for swiglu_linear_q its composite (swiglu, then linear_q's same
-    chain); fp8 with more than 64 rows: each op's own fp8_scaled_mm where it takes them (bf16; swiglu_linear_q's
-    with SwiGLU in its activation quantization, not the composite's linear_q); other formats with more than one row:
-    the native reference (nothing recorded). Calls are recorded as "op:implementation" (linear_q's: the name), so a
+    """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows (fp8_block: from 2):
+    linear_q's dequantize kernel + F.linear (int4 / int8 / fp8_block, fp8 in float32), and for swiglu_linear_q its
+    composite (swiglu, then linear_q's same chain); fp8 with more than 64 bf16 rows: each op's own fp8_scaled_mm
+    (swiglu_linear_q's with SwiGLU in its activation quantization, not the composite's linear_q); GGUF with more than
+    one row: the native reference (nothing recorded). Calls are recorded as "op:implementation" (linear_q's: the name), so a
     composite's linear_q is told from swiglu_linear_q's own implementation. Results equal the reference (fp8_scaled_mm,
     which quantizes the activations to e4m3 too: the largest error within 15% of the outputs' rms)."""
     from helpers import cpu_scaled_mm_missing
@@ -406,17 +406,17 @@ def test_which_implementation_takes_which_rows(dtype):
     calls = []
     kern = recording_kernels(calls)
     gen = torch.Generator().manual_seed(8)
-    for fmt in ("int4", "int8", "gguf_q4_0", "fp8"):
+    for fmt in ("int4", "int8", "gguf_q4_0", "fp8", "fp8_block"):
         qw = quantized(fmt, 48, 256, "cpu")
         for m in (1, 2, 16, 64, 65, 130):
             if m == 1:
                 want = "gemv_q"
             elif fmt in ("int4", "int8", "fp8") and m <= 64:
                 want = "gemm_q"
-            elif fmt in ("int4", "int8"):
+            elif fmt in ("int4", "int8", "fp8_block") or (fmt == "fp8" and dtype != torch.bfloat16):
                 want = "dequant_mm"
             else:  # fp8 prefill: the activations quantized per token by a Triton kernel, then torch._scaled_mm
-                want = "fp8_scaled_mm" if fmt == "fp8" and dtype == torch.bfloat16 else None
+                want = "fp8_scaled_mm" if fmt == "fp8" else None
             if want == "fp8_scaled_mm" and cpu_scaled_mm_missing():
                 continue
             x, gate, up = (torch.randn(m, 256, generator=gen).to(dtype) for _ in range(3))
@@ -529,8 +529,8 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
     for ctx, want in (
         (SelectionContext(torch.device("cuda"), torch.bfloat16, platform=a100),
          "warning: fp8 weights on NVIDIA A100-SXM4-80GB (compute capability 8.0): no fp8 tensor cores; they stay fp8 "
-         "and one-row decode runs triton:gemv_q, 2..64 rows triton:gemm_q, other calls dequantize them (dequantize + "
-         "F.linear)"),
+         "and one-row decode runs triton:gemv_q, 2..64 rows triton:gemm_q, other calls triton:dequant_mm (dequantize "
+         "+ F.linear)"),
         (SelectionContext(torch.device("cpu"), torch.bfloat16),
          "warning: fp8 weights on cpu: no fp8 matmul here; they stay fp8 and every call dequantizes them (dequantize "
          "+ F.linear)"),

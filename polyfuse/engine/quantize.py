@@ -793,9 +793,11 @@ def warn_unaccelerated(model) -> None:
     impl = c.implementation
     gemm = next((i for i in c.then if i.name == "gemm_q"), None)  # per-channel fp8 (not fp8_block), 2..64 rows
     batch = f", 2..64 rows {gemm.backend}:{gemm.name}" if gemm is not None and "fp8" in fmts else ""
+    deq = next((i for i in c.then if i.name == "dequant_mm"), None)  # one dequantize kernel, then F.linear
+    rest = f"other calls {deq.backend}:{deq.name}" if deq is not None else "other calls dequantize them"
     runs = (
         "every call dequantizes them"
         if impl.name == "native"
-        else f"one-row decode runs {impl.backend}:{impl.name}{batch}, other calls dequantize them"
+        else f"one-row decode runs {impl.backend}:{impl.name}{batch}, {rest}"
     )
     logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)

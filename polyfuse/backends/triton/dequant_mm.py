@@ -1,11 +1,16 @@
-"""Projections on int4 / int8 weights for many rows (prefill): the weight dequantized once per call into a scratch
-tensor in the activations' dtype by one Triton kernel, then ``F.linear`` (cuBLAS on a GPU).
+"""Projections on int4 / int8 / fp8_block weights for many rows (prefill): the weight dequantized once per call into a
+scratch tensor in the activations' dtype by one Triton kernel, then ``F.linear`` (cuBLAS on a GPU). Per-channel fp8
+too where its e4m3 GEMMs do not take the call (float16 / float32 activations, GPUs before sm89); elsewhere they do
+(fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it there.
 
 The dequantized values are the reference's exactly (polyfuse/ops/quant_formats.py ``dequantize``: float32, one
 rounding), so this computes what the native reference computes; what it saves is the reference's float32 and int32
 temporaries (for int4 several [K, N] tensors of 4 bytes per weight): the kernel reads the packed weight once and
 writes 2 bytes per weight (bf16 / fp16). For a 2048-token prefill that write is small beside the GEMM's work. int4
-is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; int8 [N, K].
+is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; the 1-byte formats
+[N, K]. fp8_block (1 x 128 scales, as compressed-tensors' 128 x 128 block checkpoints load: Qwen3's FP8 releases) has
+no block-scaled fp8 GEMM here: this is its prefill. The native reference it replaces builds float32 temporaries of
+the whole weight (about 20 bytes of traffic per weight against this kernel's 3).
 Registered below the dequantizing GEMM (quant_gemm.py), which takes the few-row calls; inference only.
 """
 
@@ -16,13 +21,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import RESHAPE, byte_tile, int4_tile
-from polyfuse.backends.triton._qgemv import dense_rows
+from polyfuse.backends.triton._qgemm import BYTE_KINDS, RESHAPE, byte_tile, int4_tile
+from polyfuse.backends.triton._qgemv import dense_rows, no_fp8_cvt
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton.gemm_gptq import int4_block_k
 
 
-FORMATS = ("int4", "int8")
+FORMATS = ("int4", "int8", "fp8", "fp8_block")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = (64, 128, 4)  # block_n, block_k, num_warps
 
@@ -31,6 +36,7 @@ TILE = (64, 128, 4)  # block_n, block_k, num_warps
 def _dequant_kernel(
     QW, QZ, S, GI, WD, N, K, G_SIZE, sq, sz_g, ss_g, sd,
     INT4: tl.constexpr, GATHER: tl.constexpr, RESHAPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    KIND: tl.constexpr = 0, BLOCKED: tl.constexpr = False,
 ):  # fmt: skip
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols < N
@@ -41,9 +47,13 @@ def _dequant_kernel(
         w = int4_tile(QW, QZ, S, GI, k0, K, cols, n_mask, k0 // G_SIZE, sq, sz_g, ss_g,
                       GATHER, RESHAPE, BLOCK_K, BLOCK_N)  # fmt: skip
         tl.store(WD + k[:, None].to(tl.int64) * sd + cols[None, :], cast_rne(w, WD.dtype.element_ty), mask=mask)
-    else:  # into [N, K]
-        s = tl.load(S + cols, mask=n_mask, other=0.0).to(tl.float32)
-        w = byte_tile(QW, s, k0, K, cols, n_mask, sq, 0, BLOCK_K)
+    else:  # into [N, K]; KIND as in BYTE_KINDS; BLOCKED: fp8_block, one scale per row and 128 columns (one K tile)
+        if BLOCKED:
+            tl.static_assert(BLOCK_K == 128, "fp8_block: one K tile per scale")
+            s = tl.load(S + cols * ss_g + k0 // BLOCK_K, mask=n_mask, other=0.0).to(tl.float32)
+        else:
+            s = tl.load(S + cols, mask=n_mask, other=0.0).to(tl.float32)
+        w = byte_tile(QW, s, k0, K, cols, n_mask, sq, KIND, BLOCK_K)
         tl.store(WD + cols[None, :] * sd + k[:, None], cast_rne(w, WD.dtype.element_ty), mask=mask)
 
 
@@ -65,9 +75,13 @@ def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
         return wd.t()
     wd = torch.empty((n, k), dtype=dtype, device=qw.device)
     w, scales = dense_rows(qw.qweight), dense_rows(qw.scales)
+    kind = BYTE_KINDS["int8" if qw.format == "int8" else "fp8"]
+    if kind and no_fp8_cvt(w.device):  # a GPU without fp8 conversions: the e4m3 bits decoded by integer arithmetic
+        w, kind = w.view(torch.uint8), BYTE_KINDS["fp8_bits"]
     _dequant_kernel[grid](
-        w, w, scales, w, wd, n, k, 1, w.stride(0), 0, 0, wd.stride(0),
+        w, w, scales, w, wd, n, k, 1, w.stride(0), 0, scales.stride(0), wd.stride(0),
         INT4=False, GATHER=False, RESHAPE=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        KIND=kind, BLOCKED=qw.format == "fp8_block",
     )  # fmt: skip
     return wd
 
@@ -78,6 +92,8 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
         return "no rows of K inputs"
     if qweight.format not in FORMATS:
         return f"no dequantize kernel for format {qweight.format}"
+    if qweight.format == "fp8" and x.dtype == torch.bfloat16 and not (x.is_cuda and no_fp8_cvt(x.device)):
+        return "per-channel fp8 with bfloat16 activations: its e4m3 GEMM takes them"
     if x.dtype not in DTYPES:
         return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):

@@ -111,7 +111,10 @@ GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
     "operands)"
 )
-DEQUANT_NOTE = "int4/int8: one Triton dequantize kernel into the activations' dtype + F.linear"
+DEQUANT_NOTE = (
+    "int4/int8/fp8_block (per-channel fp8 where no e4m3 GEMM takes it): one Triton dequantize kernel into the "
+    "activations' dtype + F.linear"
+)
 SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: x quantized to e4m3 per token by one Triton kernel + torch._scaled_mm"
 )
@@ -125,8 +128,8 @@ NORM_SCALED_MM_NOTE = (
     "torch._scaled_mm"
 )
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8, any rows) -> fp8_scaled_mm (fp8,
-# more rows) -> cuda:scaled_mm -> native.
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8/fp8_block, any rows; fp8 where no e4m3
+# GEMM takes it) -> fp8_scaled_mm (fp8, more rows) -> cuda:scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
 DEQUANT_PRIORITY = PRIORITY - 6
 SCALED_MM_PRIORITY = PRIORITY - 8
