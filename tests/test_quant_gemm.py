@@ -359,11 +359,12 @@ def nvidia_context():
     )
 
 
-def test_nvidia_chain_order():
+def test_nvidia_chain_order(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # the block-scaled GEMM's probe reads the CUDA runtime
     ctx = nvidia_context()
     lq, sq = registry.select("linear_q", ctx), registry.select("swiglu_linear_q", ctx)
-    assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "dequant_mm", "fp8_scaled_mm",
-                                                                     "scaled_mm"]  # fmt: skip
+    assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "fp8_block_mm", "dequant_mm",
+                                                                     "fp8_scaled_mm", "scaled_mm"]  # fmt: skip
     assert [sq.implementation.name] + [i.name for i in sq.then] == ["gemv_q", "gemm_q", "fp8_scaled_mm"]
     from polyfuse.core.platform import Platform
 

@@ -111,6 +111,10 @@ GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
     "operands)"
 )
+BLOCK_MM_NOTE = (
+    "fp8_block, bf16, > 64 rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
+    "block scales"
+)
 DEQUANT_NOTE = (
     "int4/int8/fp8_block (per-channel fp8 where no e4m3 GEMM takes it): one Triton dequantize kernel into the "
     "activations' dtype + F.linear"
@@ -128,9 +132,10 @@ NORM_SCALED_MM_NOTE = (
     "torch._scaled_mm"
 )
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> dequant_mm (int4/int8/fp8_block, any rows; fp8 where no e4m3
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> fp8_block_mm (fp8_block, more rows, sm90) -> dequant_mm (int4/int8/fp8_block, any rows; fp8 where no e4m3
 # GEMM takes it) -> fp8_scaled_mm (fp8, more rows) -> cuda:scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
+BLOCK_MM_PRIORITY = PRIORITY - 5
 DEQUANT_PRIORITY = PRIORITY - 6
 SCALED_MM_PRIORITY = PRIORITY - 8
 
@@ -141,6 +146,21 @@ def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     if ctx.platform is not None and ctx.platform.name != "cuda":  # ROCm's fp8 is another e4m3 variant
         return f"row-wise e4m3fn scaled_mm: NVIDIA only (platform {ctx.platform.name})"
     return probe_inference(ctx) or scaled_mm_probe(ctx)
+
+
+def probe_block_scaled_mm(ctx: SelectionContext) -> Optional[str]:
+    """cuBLAS's 1 x 128 block-scaled fp8 through torch._scaled_mm: Hopper (9.0) with torch >= 2.9 and CUDA >= 12.9."""
+    cap = tuple(ctx.platform.capability or ()) if ctx.platform is not None else ()
+    if ctx.platform is None or ctx.platform.name != "cuda" or cap != (9, 0):
+        where = f"compute capability {cap[0]}.{cap[1]}" if cap else (ctx.platform.name if ctx.platform else "?")
+        return f"cuBLAS block-scaled fp8 (1 x 128 scales): NVIDIA Hopper, compute capability 9.0 (this: {where})"
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    cuda = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+    if version < (2, 9) or cuda < (12, 9):
+        return f"block-scaled torch._scaled_mm needs torch >= 2.9 with CUDA >= 12.9 (this: {torch.__version__})"
+    if ctx.dtype != torch.bfloat16:
+        return f"block-scaled fp8 needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
+    return probe_inference(ctx)
 
 
 def set_otherwise(ctx: SelectionContext, folded) -> Optional[str]:
@@ -211,6 +231,8 @@ def quant_implementations() -> list[Implementation]:
         out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY,
                           SWIGLU_SCALED_MM_NOTE if op == "swiglu_linear_q" else SCALED_MM_NOTE,
                           probe=fold("fp8_scaled_mm", probe_scaled_mm)))  # fmt: skip
+    out.append(_quant("linear_q", "fp8_block_mm", "block_scaled_mm", BLOCK_MM_PRIORITY, BLOCK_MM_NOTE,
+                      probe=probe_block_scaled_mm))  # fmt: skip
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
     out.append(_quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv))
     out.append(
