@@ -14,6 +14,7 @@ the CPU through the Triton interpreter (conftest sets TRITON_INTERPRET=1 without
 """
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -328,15 +329,22 @@ def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
+    from polyfuse.backends.triton import dequant_mm as dm
     from polyfuse.backends.triton.dequant_mm import dequantize_q, linear_q
 
     gen = torch.Generator().manual_seed(6)
     weights = [quantized(f, 72, 320, "cpu") for f in ("int4", "int4_act", "int8", "fp8", "fp8_block")]
+    if importlib.util.find_spec("gguf") is not None:  # the GGUF cases are quantized by the gguf package
+        weights += [quantized(f, 72, 320, "cpu") for f in ("gguf_q8_0", "gguf_q4_0", "gguf_q4_1")]
     weights += [qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g) for g in (32, 192)]
     for qw in weights:
         w = dequantize_q(qw, dtype)
         assert w.shape == qw.shape and w.dtype == dtype
         assert torch.equal(w, qf.dequantize(qw, dtype)), (qw.format, qw.group_size, qw.act_order)
+    with pytest.MonkeyPatch.context() as m:  # a GPU without fp8 conversions (sm80): the e4m3 bits decoded by integers
+        m.setattr(dm, "no_fp8_cvt", lambda device: True)
+        for qw in weights[3:5]:
+            assert torch.equal(dequantize_q(qw, dtype), qf.dequantize(qw, dtype)), qw.format
     qw = weights[0]
     x = torch.randn(2, 65, 320, generator=gen).to(dtype)  # prefill-sized: 130 rows
     bias = torch.randn(72, generator=gen).to(dtype)
@@ -360,7 +368,8 @@ def nvidia_context():
 
 
 def test_nvidia_chain_order(monkeypatch):
-    monkeypatch.setattr(torch.version, "cuda", "13.0")  # the block-scaled GEMM's probe reads the CUDA runtime
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # the block-scaled GEMM's probe reads torch's versions
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
     ctx = nvidia_context()
     lq, sq = registry.select("linear_q", ctx), registry.select("swiglu_linear_q", ctx)
     assert [lq.implementation.name] + [i.name for i in lq.then] == ["gemv_q", "gemm_q", "fp8_block_mm", "dequant_mm",
@@ -397,9 +406,8 @@ def recording_kernels(calls):
 def test_which_implementation_takes_which_rows(dtype):
     """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows (fp8_block: from 2):
     linear_q's dequantize kernel + F.linear (int4 / int8 / fp8_block, fp8 in float32), and for swiglu_linear_q its
-    composite (swiglu, then linear_q's same chain); fp8 with more than 64 bf16 rows: each op's own fp8_scaled_mm
-    (swiglu_linear_q's with SwiGLU in its activation quantization, not the composite's linear_q); GGUF with more than
-    one row: the native reference (nothing recorded). Calls are recorded as "op:implementation" (linear_q's: the name), so a
+    composite (swiglu, then linear_q's same chain; GGUF from 2 rows too); fp8 with more than 64 bf16 rows: each op's
+    own fp8_scaled_mm (swiglu_linear_q's with SwiGLU in its activation quantization, not the composite's linear_q). Calls are recorded as "op:implementation" (linear_q's: the name), so a
     composite's linear_q is told from swiglu_linear_q's own implementation. Results equal the reference (fp8_scaled_mm,
     which quantizes the activations to e4m3 too: the largest error within 15% of the outputs' rms)."""
     from helpers import cpu_scaled_mm_missing
@@ -414,10 +422,10 @@ def test_which_implementation_takes_which_rows(dtype):
                 want = "gemv_q"
             elif fmt in ("int4", "int8", "fp8") and m <= 64:
                 want = "gemm_q"
-            elif fmt in ("int4", "int8", "fp8_block") or (fmt == "fp8" and dtype != torch.bfloat16):
+            elif fmt in ("int4", "int8", "fp8_block", "gguf_q4_0") or (fmt == "fp8" and dtype != torch.bfloat16):
                 want = "dequant_mm"
             else:  # fp8 prefill: the activations quantized per token by a Triton kernel, then torch._scaled_mm
-                want = "fp8_scaled_mm" if fmt == "fp8" else None
+                want = "fp8_scaled_mm"
             if want == "fp8_scaled_mm" and cpu_scaled_mm_missing():
                 continue
             x, gate, up = (torch.randn(m, 256, generator=gen).to(dtype) for _ in range(3))
@@ -541,6 +549,34 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
         with caplog.at_level(logging.WARNING):
             qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
         assert [r.getMessage() for r in caplog.records] == [want]
+
+
+def test_fp8_block_says_what_runs_where_the_block_gemm_does_not(monkeypatch, caplog):
+    """fp8_block on an H200 (torch and CUDA new enough): the block-scaled fp8 GEMM runs the prefill, nothing to say;
+    on an L4 (sm89, no cuBLAS block scaling): one warning naming what runs instead."""
+    import logging
+    from types import SimpleNamespace
+
+    from polyfuse.core.context import SelectionContext
+    from polyfuse.core.platform import Platform
+    from polyfuse.engine import quantize as qz
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    monkeypatch.setattr(qz, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8_block")})
+    for gpu, want in (("NVIDIA H200", (9, 0)), ("NVIDIA L4", (8, 9))):
+        ctx = SelectionContext(torch.device("cuda"), torch.bfloat16, platform=Platform("cuda", "cuda", gpu, want))
+        kernels = registry.Kernels({"linear_q": registry.select("linear_q", ctx)}, ctx)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
+        lines = [r.getMessage() for r in caplog.records]
+        if want == (9, 0):
+            assert lines == []
+        else:
+            assert lines == ["warning: fp8 weights on fp8_block weights: no block-scaled fp8 matmul here (it needs "
+                             "compute capability 9.0); they stay fp8 and one-row decode runs triton:gemv_q, other "
+                             "calls triton:dequant_mm (dequantize + F.linear)"]  # fmt: skip
 
 
 def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():

@@ -787,8 +787,10 @@ def warn_unaccelerated(model) -> None:
         where = f"{platform.device_name} (compute capability {'.'.join(map(str, cap))}): no fp8 tensor cores"
     elif model.dtype != torch.bfloat16:
         where = f"{_name(model.dtype)} run: the fp8 matmul (row-wise torch._scaled_mm) needs bfloat16"
+    elif any(i.name == "fp8_block_mm" for i in model.kernels.choices["linear_q"].then):
+        return  # Hopper: fp8_block's prefill runs the block-scaled fp8 GEMM (backends/triton/block_scaled_mm.py)
     else:
-        where = "fp8_block weights: no block-scaled fp8 matmul yet"
+        where = "fp8_block weights: no block-scaled fp8 matmul here (it needs compute capability 9.0)"
     c = model.kernels.choices["linear_q"]
     impl = c.implementation
     gemm = next((i for i in c.then if i.name == "gemm_q"), None)  # per-channel fp8 (not fp8_block), 2..64 rows

@@ -8,9 +8,10 @@ W8A8 like fp8's row-wise prefill; the group scales keep an outlier channel from 
 H200 (run 31, 2048 x 4096 x 6144 / 28672 and 2048 x 14336 x 4096): 104 / 468 / 236 us against row-wise per-channel
 fp8's 79 / 359 / 179 and bf16's 133 / 625 / 310, error 2.2-2.4% of the outputs' rms (row-wise 2.3-2.5%).
 
-Takes bfloat16 rows, more than MAX_GEMM_ROWS of them (fewer, and everything else, go to the dequantize kernel +
-cuBLAS, dequant_mm.py), K a multiple of 128 and N of 16, on GPUs of compute capability 9.0 (cuBLAS's block-scaled
-fp8 is Hopper's; the probe says so elsewhere). Rows are padded to a multiple of PAD_ROWS: cuBLAS refused row counts
+Takes bfloat16 rows from two on (one row is the GEMV's, quant_gemv.py): batch decode too, where it beats
+dequantizing the weight per call (H200, run 31: 2..64 rows of 14336 x 4096 in 25-29 us against 83-86 for
+dequant_mm, 6144 x 4096 in 13-15 against 37-38); K a multiple of 128 and N of 16; GPUs of compute capability 9.0
+(cuBLAS's block-scaled fp8 is Hopper's; the probe says so elsewhere). The rest goes to dequant_mm.py. Rows are padded to a multiple of PAD_ROWS: cuBLAS refused row counts
 that are not (65, 66, 129, 130, 2047 on the H200; 68, 72, 132, 2048 ran). Against the same arithmetic in float32 the
 product is within 0.17% of the outputs' rms (the bf16 output's rounding); against the weight-only product 2.0%.
 """
@@ -20,7 +21,6 @@ from typing import Optional
 import torch
 
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.quant_gemm import MAX_ROWS
 from polyfuse.backends.triton.scaled_mm import quantize_rows
 from polyfuse.ops.quant_formats import FP8_BLOCK
 
@@ -39,17 +39,15 @@ def quantize_groups(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     if qweight.format != "fp8_block":
         return f"{qweight.format} weights (takes fp8_block)"
-    if not x.is_cuda:
-        return "cuBLAS block-scaled fp8: a CUDA GPU"
     if x.dtype != torch.bfloat16:
         return "block-scaled fp8 needs bfloat16 activations"
     n, k = qweight.shape
     if k % FP8_BLOCK or n % 16 or x.shape[-1] != k:
         return "K must be a multiple of 128 and N of 16"
-    if x.numel() // k <= MAX_ROWS:
-        return f"{MAX_ROWS} rows or fewer (dequant_mm's)"
     if torch.is_grad_enabled() and x.requires_grad:
         return "needs gradients"
+    if not x.is_cuda:
+        return "cuBLAS block-scaled fp8: a CUDA GPU"
     return None
 
 

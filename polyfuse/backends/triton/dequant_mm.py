@@ -1,5 +1,6 @@
-"""Projections on int4 / int8 / fp8_block weights for many rows (prefill): the weight dequantized once per call into a
-scratch tensor in the activations' dtype by one Triton kernel, then ``F.linear`` (cuBLAS on a GPU). Per-channel fp8
+"""Projections on int4 / int8 / fp8_block / GGUF weights for many rows (prefill): the weight dequantized once per call
+into a scratch tensor in the activations' dtype by one Triton kernel (GGUF blocks: dequant_gguf.py), then ``F.linear``
+(cuBLAS on a GPU). Per-channel fp8
 too where its e4m3 GEMMs do not take the call (float16 / float32 activations, GPUs before sm89); elsewhere they do
 (fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it there.
 
@@ -8,9 +9,10 @@ rounding), so this computes what the native reference computes; what it saves is
 temporaries (for int4 several [K, N] tensors of 4 bytes per weight): the kernel reads the packed weight once and
 writes 2 bytes per weight (bf16 / fp16). For a 2048-token prefill that write is small beside the GEMM's work. int4
 is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; the 1-byte formats
-[N, K]. fp8_block (1 x 128 scales, as compressed-tensors' 128 x 128 block checkpoints load: Qwen3's FP8 releases) has
-no block-scaled fp8 GEMM here: this is its prefill. The native reference it replaces builds float32 temporaries of
-the whole weight (about 20 bytes of traffic per weight against this kernel's 3).
+[N, K]. fp8_block (1 x 128 scales, as compressed-tensors' 128 x 128 block checkpoints load: Qwen3's FP8 releases):
+its prefill where the block-scaled fp8 GEMM (block_scaled_mm.py, Hopper) does not run, and its 2..64-row calls. The
+native reference it replaces builds float32 temporaries of the whole weight (about 20 bytes of traffic per weight
+against this kernel's 3).
 Registered below the dequantizing GEMM (quant_gemm.py), which takes the few-row calls; inference only.
 """
 
@@ -25,9 +27,10 @@ from polyfuse.backends.triton._qgemm import BYTE_KINDS, RESHAPE, byte_tile, int4
 from polyfuse.backends.triton._qgemv import dense_rows, no_fp8_cvt
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton.gemm_gptq import int4_block_k
+from polyfuse.ops.quant_linear import scaled_mm_refusal
 
 
-FORMATS = ("int4", "int8", "fp8", "fp8_block")
+FORMATS = ("int4", "int8", "fp8", "fp8_block", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = (64, 128, 4)  # block_n, block_k, num_warps
 
@@ -60,6 +63,10 @@ def _dequant_kernel(
 def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(qw, dtype) by one kernel: the [N, K] weight (int4: a transposed view of a [K, N] tensor)."""
     n, k = qw.shape
+    if qw.format.startswith("gguf"):
+        from polyfuse.backends.triton.dequant_gguf import dequantize_gguf
+
+        return dequantize_gguf(qw, dtype)
     block_n, block_k, num_warps = TILE
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     if qw.format == "int4":
@@ -92,7 +99,7 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
         return "no rows of K inputs"
     if qweight.format not in FORMATS:
         return f"no dequantize kernel for format {qweight.format}"
-    if qweight.format == "fp8" and x.dtype == torch.bfloat16 and not (x.is_cuda and no_fp8_cvt(x.device)):
+    if qweight.format == "fp8" and scaled_mm_refusal(x, qweight) is None and not (x.is_cuda and no_fp8_cvt(x.device)):
         return "per-channel fp8 with bfloat16 activations: its e4m3 GEMM takes them"
     if x.dtype not in DTYPES:
         return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported"

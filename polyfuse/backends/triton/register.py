@@ -112,11 +112,11 @@ GEMM_NOTE = (
     "operands)"
 )
 BLOCK_MM_NOTE = (
-    "fp8_block, bf16, > 64 rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
+    "fp8_block, bf16, 2+ rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
     "block scales"
 )
 DEQUANT_NOTE = (
-    "int4/int8/fp8_block (per-channel fp8 where no e4m3 GEMM takes it): one Triton dequantize kernel into the "
+    "int4/int8/fp8_block/GGUF (per-channel fp8 where no e4m3 GEMM takes it): one Triton dequantize kernel into the "
     "activations' dtype + F.linear"
 )
 SCALED_MM_NOTE = (
@@ -132,8 +132,9 @@ NORM_SCALED_MM_NOTE = (
     "torch._scaled_mm"
 )
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> fp8_block_mm (fp8_block, more rows, sm90) -> dequant_mm (int4/int8/fp8_block, any rows; fp8 where no e4m3
-# GEMM takes it) -> fp8_scaled_mm (fp8, more rows) -> cuda:scaled_mm -> native.
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> fp8_block_mm (fp8_block, 2+ rows, sm90) -> dequant_mm
+# (int4/int8/fp8_block/GGUF, any rows; fp8 where no e4m3 GEMM takes it) -> fp8_scaled_mm (fp8, more rows) ->
+# cuda:scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
 BLOCK_MM_PRIORITY = PRIORITY - 5
 DEQUANT_PRIORITY = PRIORITY - 6
@@ -150,6 +151,9 @@ def probe_scaled_mm(ctx: SelectionContext) -> Optional[str]:
 
 def probe_block_scaled_mm(ctx: SelectionContext) -> Optional[str]:
     """cuBLAS's 1 x 128 block-scaled fp8 through torch._scaled_mm: Hopper (9.0) with torch >= 2.9 and CUDA >= 12.9."""
+    why = probe_inference(ctx)  # device, Triton, dtype, training: as every Triton implementation says them
+    if why:
+        return why
     cap = tuple(ctx.platform.capability or ()) if ctx.platform is not None else ()
     if ctx.platform is None or ctx.platform.name != "cuda" or cap != (9, 0):
         where = f"compute capability {cap[0]}.{cap[1]}" if cap else (ctx.platform.name if ctx.platform else "?")
@@ -160,7 +164,7 @@ def probe_block_scaled_mm(ctx: SelectionContext) -> Optional[str]:
         return f"block-scaled torch._scaled_mm needs torch >= 2.9 with CUDA >= 12.9 (this: {torch.__version__})"
     if ctx.dtype != torch.bfloat16:
         return f"block-scaled fp8 needs bfloat16 (run is {str(ctx.dtype).replace('torch.', '')})"
-    return probe_inference(ctx)
+    return None
 
 
 def set_otherwise(ctx: SelectionContext, folded) -> Optional[str]:
