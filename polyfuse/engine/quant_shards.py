@@ -60,8 +60,9 @@ def take(name: str, value: torch.Tensor, comp: Component, shard: Shard, group_si
     if name == "g_idx":  # k by k; in-order groups only (cannot_split): the rank's columns count from group 0
         total = sum(stop - start for start, stop in shard.blocks)
         return torch.arange(total, dtype=value.dtype, device=value.device) // group_size
+    raw = value.view(torch.uint8) if value.element_size() == 1 else value  # torch 2.7's CPU cat has no float8
     pieces = []
     for start, stop in shard.blocks:
         first, last = start // per * span, math.ceil(stop / per) * span
-        pieces.append(value.narrow(dim, first, last - first))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+        pieces.append(raw.narrow(dim, first, last - first))
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)).view(value.dtype)
