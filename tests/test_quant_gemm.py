@@ -575,8 +575,8 @@ def test_fp8_block_says_what_runs_where_the_block_gemm_does_not(monkeypatch, cap
             assert lines == []
         else:
             assert lines == ["warning: fp8 weights on fp8_block weights: no block-scaled fp8 matmul here (it needs "
-                             "compute capability 9.0); they stay fp8 and one-row decode runs triton:gemv_q, other "
-                             "calls triton:dequant_mm (dequantize + F.linear)"]  # fmt: skip
+                             "Hopper, torch >= 2.9 and CUDA >= 12.9); they stay fp8 and one-row decode runs "
+                             "triton:gemv_q, other calls triton:dequant_mm (dequantize + F.linear)"]  # fmt: skip
 
 
 def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():

@@ -790,7 +790,7 @@ def warn_unaccelerated(model) -> None:
     elif any(i.name == "fp8_block_mm" for i in model.kernels.choices["linear_q"].then):
         return  # Hopper: fp8_block's prefill runs the block-scaled fp8 GEMM (backends/triton/block_scaled_mm.py)
     else:
-        where = "fp8_block weights: no block-scaled fp8 matmul here (it needs compute capability 9.0)"
+        where = "fp8_block weights: no block-scaled fp8 matmul here (it needs Hopper, torch >= 2.9 and CUDA >= 12.9)"
     c = model.kernels.choices["linear_q"]
     impl = c.implementation
     gemm = next((i for i in c.then if i.name == "gemm_q"), None)  # per-channel fp8 (not fp8_block), 2..64 rows

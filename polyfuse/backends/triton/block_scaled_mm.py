@@ -11,9 +11,10 @@ fp8's 79 / 359 / 179 and bf16's 133 / 625 / 310, error 2.2-2.4% of the outputs' 
 Takes bfloat16 rows from two on (one row is the GEMV's, quant_gemv.py): batch decode too, where it beats
 dequantizing the weight per call (H200, run 31: 2..64 rows of 14336 x 4096 in 25-29 us against 83-86 for
 dequant_mm, 6144 x 4096 in 13-15 against 37-38); K a multiple of 128 and N of 16; GPUs of compute capability 9.0
-(cuBLAS's block-scaled fp8 is Hopper's; the probe says so elsewhere). The rest goes to dequant_mm.py. Rows are padded to a multiple of PAD_ROWS: cuBLAS refused row counts
-that are not (65, 66, 129, 130, 2047 on the H200; 68, 72, 132, 2048 ran). Against the same arithmetic in float32 the
-product is within 0.17% of the outputs' rms (the bf16 output's rounding); against the weight-only product 2.0%.
+(cuBLAS's block-scaled fp8 is Hopper's; the probe says so elsewhere). The rest goes to dequant_mm.py. Rows are
+padded to a multiple of PAD_ROWS: cuBLAS refused row counts that are not (65, 66, 129, 130, 2047 on the H200; 68, 72,
+132, 2048 ran). Against the same arithmetic in float32 the product is within 0.17% of the outputs' rms (the bf16
+output's rounding); against the weight-only product 2.0%.
 """
 
 from typing import Optional
