@@ -241,8 +241,10 @@ def _rewrite(src: str, dst: str, convert, quantization_config: dict, config=None
     save_file(out, os.path.join(dst, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         raw = dict(json.load(f), **(config or {}))
+    if quantization_config is not None:  # (a null one is not a valid config for transformers 4.55)
+        raw["quantization_config"] = quantization_config
     with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(dict(raw, quantization_config=quantization_config), f)
+        json.dump(raw, f)
 
 
 def _ct_block_fp8(w):
