@@ -322,6 +322,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_gguf_shape(writer, cfg) -> None:
+    """The model-shape keys every GGUF a test writes carries (layers, context, widths, heads)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def write_tiny_gguf(path, model, types: dict):
     """A llama GGUF of ``model``'s weights, the projections in the given ggml types (the rest float32)."""
     gguf = pytest.importorskip("gguf")
@@ -330,12 +340,7 @@ def write_tiny_gguf(path, model, types: dict):
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     for key, t in hf_state_items(model):

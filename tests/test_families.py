@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import BOS, EOS, PAD, left_padded, logits_diff, one_thread, perturb_, random_rows  # noqa: F401
+from helpers import (  # noqa: F401  (one_thread: autouse fixture)
+    BOS,
+    EOS,
+    PAD,
+    add_gguf_shape,
+    left_padded,
+    logits_diff,
+    one_thread,
+    perturb_,
+    random_rows,
+)
 from transformers.masking_utils import (
     and_masks,
     causal_mask_function,
@@ -230,12 +240,7 @@ def write_gguf(hf, arch: str, path: Path) -> Path:
     cfg = hf.config
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), 2)
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(w, cfg)
     w.add_key_length(hf.model.layers[0].self_attn.head_dim)
     w.add_value_length(hf.model.layers[0].self_attn.head_dim)
     w.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
