@@ -1,8 +1,7 @@
 """Projections on int4 / int8 / fp8_block / GGUF weights for many rows (prefill): the weight dequantized once per call
 into a scratch tensor in the activations' dtype by one Triton kernel (GGUF blocks: dequant_gguf.py), then ``F.linear``
-(cuBLAS on a GPU). Per-channel fp8
-too where its e4m3 GEMMs do not take the call (float16 / float32 activations, GPUs before sm89); elsewhere they do
-(fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it there.
+(cuBLAS on a GPU). Per-channel fp8 too where its e4m3 GEMMs do not take the call (float16 / float32 activations,
+GPUs before sm89); elsewhere they do (fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it.
 
 The dequantized values are the reference's exactly (polyfuse/ops/quant_formats.py ``dequantize``: float32, one
 rounding), so this computes what the native reference computes; what it saves is the reference's float32 and int32
@@ -10,7 +9,7 @@ temporaries (for int4 several [K, N] tensors of 4 bytes per weight): the kernel 
 writes 2 bytes per weight (bf16 / fp16). For a 2048-token prefill that write is small beside the GEMM's work. int4
 is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; the 1-byte formats
 [N, K]. fp8_block (1 x 128 scales, as compressed-tensors' 128 x 128 block checkpoints load: Qwen3's FP8 releases):
-its prefill where the block-scaled fp8 GEMM (block_scaled_mm.py, Hopper) does not run, and its 2..64-row calls. The
+its multi-row calls where the block-scaled fp8 GEMM (block_scaled_mm.py, Hopper, 2 rows or more) does not run. The
 native reference it replaces builds float32 temporaries of the whole weight (about 20 bytes of traffic per weight
 against this kernel's 3).
 Registered below the dequantizing GEMM (quant_gemm.py), which takes the few-row calls; inference only.
