@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Decode-time linear layers (one row, M=1) on the real weight shapes: cuBLAS, cuBLASLt and the Triton GEMV; with
 --quant, the quantized-weight kernels beside them (int4 / int8 / fp8: the one-row GEMV and the dequantizing GEMM for
-batch decode; int4 / int8: dequantize + cuBLAS for prefill; and the native reference they replace).
+batch decode; int4 / int8 / GGUF: dequantize + cuBLAS for prefill; GGUF types: the one-row GEMV; and the native
+reference they replace).
 
     python examples/benchmark_linear.py --output linear.jsonl     # NVIDIA GPU only
     python examples/benchmark_linear.py --shapes 8b.o,8b.qkv,8b.gate_up,8b.down --rows 1,16,64,256,2048 --no-triton \
@@ -81,6 +82,8 @@ GEMV_QCONFIGS = {
        for ns in (2, 3, 4)],
     "bytes": [(bn, bk, 4, ns) for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256))
               for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((8, 2048), (16, 1024)) for ns in (3, 4)],
+    # GGUF K-quants (gemv_kquant.py): rows per program; one 256-weight super-block per step (block_k unused)
+    "kquant": [(bn, 256, nw, ns) for bn in (2, 4, 8, 16) for nw in (1, 2, 4) for ns in (2, 3)],
 }  # fmt: skip
 
 
@@ -93,7 +96,7 @@ def best_tiles(rows: list) -> dict:
     found: dict = {}
     shapes: dict = {}
     for r in rows:
-        m = re.fullmatch(r"(int4|int8|fp8)_(gemv|gemm)_(\d+)x(\d+)_w(\d+)s(\d+)", r.get("impl", ""))
+        m = re.fullmatch(r"(int4|int8|fp8|gguf_\w+?)_(gemv|gemm)_(\d+)x(\d+)_w(\d+)s(\d+)", r.get("impl", ""))
         if not m or "us" not in r:
             continue
         fmt, kind, tile = m.group(1), m.group(2), tuple(int(v) for v in m.groups()[2:])
@@ -153,7 +156,8 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     wd = dequantize(qw, x.dtype)
     ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
     fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
-    if fmt in ("int4", "int8"):  # dequant_mm.py's formats (fp8 prefill takes triton:fp8_scaled_mm)
+    dequant = fmt in ("int4", "int8") or fmt.startswith("gguf")
+    if dequant:  # dequant_mm.py's formats (fp8 prefill takes triton:fp8_scaled_mm)
         fns[f"{fmt}_dequant_cublas"] = lambda q: dequant_mm(x, q)
     if gemm is not None:
         fns[f"{fmt}_gemm"] = lambda q: gemm(x, None, q)
@@ -162,11 +166,16 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     if m == 1:
         fns[f"{fmt}_gemv"] = lambda q: gemv_q(x, q)
         if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/_qgemv.py TILES)
+            from polyfuse.backends.triton.gemv_gguf import gemv_gguf
             from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+            from polyfuse.backends.triton.gemv_kquant import gemv_kquant
             from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
-            kernel = gemv_gptq if fmt == "int4" else gemv_scaled
-            for cfg in GEMV_QCONFIGS["int4" if fmt == "int4" else "bytes"]:
+            kquant = fmt in ("gguf_q4_k", "gguf_q6_k")
+            kernel = {"int4": gemv_gptq}.get(
+                fmt, gemv_kquant if kquant else gemv_gguf if "gguf" in fmt else gemv_scaled
+            )
+            for cfg in GEMV_QCONFIGS["int4" if fmt == "int4" else "kquant" if kquant else "bytes"]:
                 tag = f"{fmt}_gemv_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"
                 fns[tag] = lambda q, cfg=cfg, kernel=kernel: kernel(x, None, q, tiles=cfg)
     if args.qsweep and gemm is not None:
@@ -175,7 +184,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
                 continue
             fns[f"{fmt}_gemm_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"] = lambda q, cfg=cfg: gemm(x, None, q, tiles=cfg)
     if name.endswith("down"):
-        if fmt in ("int4", "int8"):
+        if dequant:
             fns[f"swiglu+{fmt}_dequant_cublas"] = lambda q: dequant_mm(swiglu(x, up), q)
         if gemm is not None:
             fns[f"swiglu+{fmt}_gemm"] = lambda q: gemm(x, up, q)
@@ -208,7 +217,8 @@ def main():
     p.add_argument(
         "--quant",
         default="",
-        help="comma list of weight formats to time beside bf16: int4, int8, fp8 (fp8_block: GEMV only)",
+        help="comma list of weight formats to time beside bf16: int4, int8, fp8, fp8_block, gguf_q8_0, gguf_q4_0, "
+        "gguf_q4_1, gguf_q4_k, gguf_q6_k",
     )
     p.add_argument("--gemv_sweep", action="store_true", help="with --quant and rows 1: sweep the one-row GEMV's tiles")
     p.add_argument("--qsweep", action="store_true", help="with --quant: also sweep the GEMM's tiles (QCONFIGS)")

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from polyfuse.engine.compat import DTYPE_KW, llama_config
+from polyfuse.ops.quant_formats import GGUF_TYPES, K_QUANTS, quantize
 
 
 PAD, BOS, EOS = 0, 1, 7
@@ -350,7 +351,11 @@ def write_tiny_gguf(path, model, types: dict):
         if ggml is None:
             w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
         else:
-            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[ggml])
+            fmt = GGUF_TYPES[ggml] if ggml in GGUF_TYPES and GGUF_TYPES[ggml] in K_QUANTS else None
+            if fmt is not None:  # K-quants: the gguf package cannot make them; ours writes llama.cpp's layout
+                q = quantize(fmt, torch.from_numpy(data)).qweight.numpy()
+            else:
+                q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[ggml])
             w.add_tensor(f"{names.get_name(base)}.{suffix}", q, raw_dtype=gguf.GGMLQuantizationType[ggml])
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from polyfuse.ops.quant_formats import FORMATS, quantize
+from polyfuse.ops.quant_formats import FORMATS, GGUF_SUPER, K_QUANTS, quantize
 
 
 def act_order(qw):
@@ -47,7 +47,14 @@ def quantized(fmt: str, n: int, k: int, device, seed: int = 0):
 CASE_FORMATS = (*FORMATS, "int4_act")
 
 
-def _shapes(big):
+def _shapes(big, fmt=None):
+    """The cases' shapes; a GGUF K-quant's K rounded up to its 256-weight super-blocks."""
+    if fmt in K_QUANTS:
+        return [(lead, -(-k // GGUF_SUPER) * GGUF_SUPER, n) for lead, k, n in _shapes(big)]
+    return _float_shapes(big)
+
+
+def _float_shapes(big):
     # (leading dims of x, K, N): one row (the GEMV), a decode batch of 16 and 6 / 28 rows (the GEMM for int4, int8
     # and fp8), a 128-token (GPU) / 80-token (CPU) prefill (dequantize + matmul; fp8: its activations quantized)
     if big:
@@ -62,7 +69,7 @@ BIAS_LEADS = ((1, 1), (16, 1))
 def cases_linear_q(device, dtype, big):
     out = []
     for fmt in CASE_FORMATS:
-        for lead, k, n in _shapes(big):
+        for lead, k, n in _shapes(big, fmt):
             if fmt == "fp8":
                 n = 48 if not big else n  # a multiple of 16: scaled_mm takes it
             gen = torch.Generator().manual_seed(k + n)
@@ -80,7 +87,7 @@ def cases_linear_q(device, dtype, big):
 def cases_swiglu_linear_q(device, dtype, big):
     out = []
     for fmt in CASE_FORMATS:
-        for lead, i, n in _shapes(big):
+        for lead, i, n in _shapes(big, fmt):
             if fmt == "fp8":
                 n = 48 if not big else n  # a multiple of 16: the fp8 scaled_mm implementation takes it
             gen = torch.Generator().manual_seed(i + n + 1)
@@ -99,7 +106,7 @@ def cases_add_rms_norm_linear_q(device, dtype, big):
     fp8 prefill implementation takes the many-row cases (more than 64 rows: (1, 128) on the GPU, (2, 40) here)."""
     out = []
     for fmt in CASE_FORMATS:
-        for lead, k, n in _shapes(big):
+        for lead, k, n in _shapes(big, fmt):
             if fmt == "fp8":
                 n = 48 if not big else n
             gen = torch.Generator().manual_seed(k + n + 2)

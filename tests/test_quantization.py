@@ -87,10 +87,11 @@ def test_gptq_packing_is_autogptqs_and_round_trips():
 
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 0.009), ("fp8", 0.03), ("fp8_block", 0.03), ("int4", 0.12),
-                                       ("gguf_q8_0", 0.01), ("gguf_q4_0", 0.12), ("gguf_q4_1", 0.12)])  # fmt: skip
+                                       ("gguf_q8_0", 0.01), ("gguf_q4_0", 0.12), ("gguf_q4_1", 0.12),
+                                       ("gguf_q4_k", 0.12), ("gguf_q6_k", 0.03)])  # fmt: skip
 def test_quantize_dequantize_error_and_layout(fmt, bound):
     gen = torch.Generator().manual_seed(1)
-    n, k = 48, 320  # K: a partial int4 group and fp8 block
+    n, k = 48, 320 if fmt not in qf.K_QUANTS else 512  # K: a partial int4 group and fp8 block
     w = torch.randn(n, k, generator=gen) * 0.02
     qw = qf.quantize(fmt, w)
     for name, c in qf.components(fmt, n, k).items():
@@ -109,31 +110,58 @@ def test_gguf_dequantization_is_the_gguf_packages():
         assert np.array_equal(qf.dequantize(qw).numpy(), ref), fmt
 
 
+@pytest.mark.parametrize("fmt,ggml", [("gguf_q4_k", "Q4_K"), ("gguf_q6_k", "Q6_K")])
+def test_k_quant_dequantization_is_the_gguf_packages_on_any_bytes(fmt, ggml):
+    """Super-blocks of random bytes (every scale, min and quant bit pattern; finite fp16 d / dmin) dequantize to the
+    gguf package's values bit for bit, and so do the ones our quantizer writes (the layout llama.cpp reads)."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(5)
+    n, nb, nbytes = 24, 3, qf.GGUF_BYTES[fmt]
+    raw = torch.randint(0, 256, (n, nb, nbytes), generator=gen, dtype=torch.uint8)
+    for at in (0, 2) if fmt == "gguf_q4_k" else (208,):
+        d = (torch.rand(n, nb, generator=gen) * 0.02 - 0.005).half()
+        raw[..., at : at + 2] = d.view(torch.uint8).reshape(n, nb, 2)
+    raw = raw.reshape(n, nb * nbytes)
+    ref = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[ggml]).reshape(n, nb * 256)
+    ours = qf.dequantize(qf.QuantizedWeight(fmt, (n, nb * 256), raw)).numpy()
+    assert np.array_equal(ours, ref)
+    qw = qf.quantize(fmt, torch.randn(8, 512, generator=gen) * 0.05)
+    ref = gguf.quants.dequantize(qw.qweight.numpy(), gguf.GGMLQuantizationType[ggml]).reshape(8, 512)
+    assert np.array_equal(qf.dequantize(qw).numpy(), ref)
+
+
 def test_cannot_pack():
     assert qf.cannot_pack("int4", 36, (64,)) and qf.cannot_pack("int4", 64, (60, 4))
     assert qf.cannot_pack("int4", 64, (64, 32)) is None and qf.cannot_pack("int4", 576, (576,)) is None
     assert qf.cannot_pack("gguf_q4_1", 48, (8,)) and qf.cannot_pack("int8", 7, (3,)) is None
+    assert (
+        "multiple of 256" in qf.cannot_pack("gguf_q4_k", 576, (64,)) and qf.cannot_pack("gguf_q6_k", 512, (8,)) is None
+    )
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "fmt", ["int8", "fp8", "fp8_block", "int4", "int4_act", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1"]
+    "fmt",
+    ["int8", "fp8", "fp8_block", "int4", "int4_act", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q6_k"],
 )
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
     from polyfuse.backends.triton.gemv_gguf import gemv_gguf
     from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+    from polyfuse.backends.triton.gemv_kquant import gemv_kquant
     from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
     kernel = gemv_gptq if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_scaled
-    qw = quantized(fmt, 40, 544, "cpu")
+    kernel = gemv_kquant if fmt in qf.K_QUANTS else kernel
+    k = 544 if fmt not in qf.K_QUANTS else 768
+    qw = quantized(fmt, 40, k, "cpu")
     gen = torch.Generator().manual_seed(3)
     x, up, bias = (
-        torch.randn(1, 544, generator=gen),
-        torch.randn(1, 544, generator=gen),
+        torch.randn(1, k, generator=gen),
+        torch.randn(1, k, generator=gen),
         torch.randn(40, generator=gen),
     )
     w = qf.dequantize(qw)
@@ -563,6 +591,30 @@ def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
     assert "GGUF type Q5_0 has no quantized kernel: dequantized at load" in lines[0] and "down_proj" in lines[0]
     assert "fused parts have different GGUF types (Q4_1, Q8_0)" in lines[1] and "qkv_proj" in lines[1]
     assert rel(logits(kept), logits(dense)) < 1e-6
+
+
+def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
+    """A Q4_K_M-style file: q/k, o and gate/up Q4_K, v and down Q6_K. o, gate/up (Q4_K) and down (Q6_K) are kept
+    (the native reference on the CPU; the Triton kernels have their conformance cases) and compute what the
+    dequantized model does, greedy tokens included; qkv (Q4_K with Q6_K) is dequantized with one warning."""
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    model = LlamaForCausalLM.from_config(cfg, seed=4)
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K"}  # fmt: skip
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, types)
+    dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+    formats = {n: m.format for n, m in qz.quantized_modules(kept).items()}
+    assert formats == {"model.layers.0.self_attn.o_proj": "gguf_q4_k", "model.layers.0.mlp.gate_up_proj": "gguf_q4_k",
+                       "model.layers.0.mlp.down_proj": "gguf_q6_k"}  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "fused parts have different GGUF types (Q4_K, Q6_K)" in lines[0], lines
+    assert rel(logits(kept), logits(dense)) < 1e-5
+    ids = torch.tensor([[5, 17, 9, 42]])
+    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
+    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
 
 
 def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):

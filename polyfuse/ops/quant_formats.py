@@ -22,6 +22,11 @@ format         components (module buffer: dtype [shape]) and value of weight [n,
 ``gguf_q4_0``  qweight: uint8 [N, K / 32 * 18]: fp16 d, 16 bytes of nibbles (byte j: weight j low, j + 16 high);
                w = d * (q - 8)
 ``gguf_q4_1``  qweight: uint8 [N, K / 32 * 20]: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+``gguf_q4_k``  qweight: uint8 [N, K / 256 * 144]: llama.cpp's super-blocks of 256 (8 sub-blocks of 32): fp16 d,
+               fp16 dmin, 12 bytes of 6-bit scales sc and mins m per sub-block, 128 bytes of nibbles (byte 32 j + l:
+               weight 64 j + l low, 64 j + 32 + l high); w = (d * sc) * q - (dmin * m)
+``gguf_q6_k``  qweight: uint8 [N, K / 256 * 210]: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8
+               scales (one per 16 weights), fp16 d last; w = (d * sc) * (q - 32)
 =============  =========================================================================================================
 
 ``dequantize`` (any device, torch only) is the reference every kernel is tested against; ``quantize`` makes the
@@ -42,9 +47,12 @@ FP8_MAX = 448.0
 FP8_BLOCK = 128
 INT4_GROUP = 128
 GGUF_BLOCK = 32
-# GGUF kept types: bytes per block of 32 weights, and the ggml type name.
-GGUF_BYTES = {"gguf_q8_0": 34, "gguf_q4_0": 18, "gguf_q4_1": 20}
-GGUF_TYPES = {"Q8_0": "gguf_q8_0", "Q4_0": "gguf_q4_0", "Q4_1": "gguf_q4_1"}
+GGUF_SUPER = 256  # the K-quants' super-block
+# GGUF kept types: bytes per block, weights per block, and the ggml type name.
+GGUF_BYTES = {"gguf_q8_0": 34, "gguf_q4_0": 18, "gguf_q4_1": 20, "gguf_q4_k": 144, "gguf_q6_k": 210}
+GGUF_WEIGHTS = {"gguf_q8_0": 32, "gguf_q4_0": 32, "gguf_q4_1": 32, "gguf_q4_k": GGUF_SUPER, "gguf_q6_k": GGUF_SUPER}
+GGUF_TYPES = {"Q8_0": "gguf_q8_0", "Q4_0": "gguf_q4_0", "Q4_1": "gguf_q4_1", "Q4_K": "gguf_q4_k", "Q6_K": "gguf_q6_k"}
+K_QUANTS = ("gguf_q4_k", "gguf_q6_k")
 
 DESCRIPTIONS = {
     "int8": "int8 weight-only, per-channel scales",
@@ -54,6 +62,8 @@ DESCRIPTIONS = {
     "gguf_q8_0": "GGUF Q8_0 blocks as stored (32 int8 + fp16 scale)",
     "gguf_q4_0": "GGUF Q4_0 blocks as stored (32 x 4 bit + fp16 scale)",
     "gguf_q4_1": "GGUF Q4_1 blocks as stored (32 x 4 bit + fp16 scale and min)",
+    "gguf_q4_k": "GGUF Q4_K super-blocks as stored (256 x 4 bit, 6-bit scales and mins per 32)",
+    "gguf_q6_k": "GGUF Q6_K super-blocks as stored (256 x 6 bit, int8 scales per 16)",
 }
 FORMATS = tuple(DESCRIPTIONS)
 # Formats ``quantize`` makes from a float checkpoint at load time (``--quant``).
@@ -67,7 +77,8 @@ class Component:
     n_dim: Optional[int]  # the dim indexing output rows (None: shared by all rows, e.g. g_idx)
     n_per: int = 1  # output rows per index along n_dim (8 for int4's packed zeros)
     # The dim indexing input columns (None: none, e.g. a per-channel scale): ``k_span`` indices per ``k_per``
-    # columns (int4's words: 1 per 8; its scales: 1 per group; a GGUF block: 34, 18 or 20 bytes per 32). Tensor
+    # columns (int4's words: 1 per 8; its scales: 1 per group; a GGUF block: 34, 18 or 20 bytes per 32, a K-quant's
+    # 144 or 210 per 256). Tensor
     # parallelism slices a row-parallel projection's components along it (engine/quant_shards.py).
     k_dim: Optional[int] = None
     k_per: int = 1
@@ -115,8 +126,8 @@ def components(fmt: str, n: int, k: int, group_size: int = INT4_GROUP) -> dict[s
             "g_idx": Component((k,), torch.int32, None, k_dim=0),
         }
     if fmt in GGUF_BYTES:
-        b = GGUF_BYTES[fmt]
-        return {"qweight": Component((n, k // GGUF_BLOCK * b), torch.uint8, 0, k_dim=1, k_per=GGUF_BLOCK, k_span=b)}
+        b, per = GGUF_BYTES[fmt], GGUF_WEIGHTS[fmt]
+        return {"qweight": Component((n, k // per * b), torch.uint8, 0, k_dim=1, k_per=per, k_span=b)}
     raise ValueError(f"unknown quantized format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
@@ -126,8 +137,9 @@ def cannot_pack(fmt: str, k: int, row_parts: tuple) -> Optional[str]:
         if k % 8 or any(p % 8 for p in row_parts):
             return "int4 packs 8 weights per int32: in_features and every fused part's out_features must be multiples of 8"
     elif fmt in GGUF_BYTES:
-        if k % GGUF_BLOCK:
-            return "GGUF blocks hold 32 weights: in_features must be a multiple of 32"
+        if k % GGUF_WEIGHTS[fmt]:
+            per = GGUF_WEIGHTS[fmt]
+            return f"GGUF {fmt[5:].upper()} blocks hold {per} weights: in_features must be a multiple of {per}"
     elif fmt not in DESCRIPTIONS:
         return f"unknown quantized format {fmt!r}"
     return None
@@ -154,8 +166,40 @@ def _fp16_at(raw: torch.Tensor, byte: int) -> torch.Tensor:
     return raw[..., byte : byte + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
+def q4_k_scales(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sc, m) int32 [..., 8] of Q4_K's 12 scale bytes [..., 12]: sub-block j < 4 in the low 6 bits of bytes j (scale)
+    and j + 4 (min); j >= 4 in the nibbles of byte j + 4 with 2 high bits from the top of bytes j - 4 / j."""
+    s = sb.to(torch.int32)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=-1)
+    return sc, m
+
+
+def _k_quant_dequantize(fmt: str, raw: torch.Tensor) -> torch.Tensor:
+    """float32 [N, blocks, 256] of K-quant super-blocks raw [N, blocks, bytes], in the reference's (llama.cpp's and
+    the gguf package's) order of operations: (d * sc) * q, minus dmin * m for Q4_K."""
+    if fmt == "gguf_q4_k":
+        d, dmin = _fp16_at(raw, 0)[..., None], _fp16_at(raw, 2)[..., None]
+        sc, m = q4_k_scales(raw[..., 4:16])
+        qs = raw[..., 16:144].reshape(*raw.shape[:2], 4, 32)
+        q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(*raw.shape[:2], 8, 32).float()  # sub-block 2j: low
+        return ((d * sc.float())[..., None] * q - (dmin * m.float())[..., None]).flatten(-2)
+    ql = raw[..., 0:128].reshape(*raw.shape[:2], 2, 1, 64).to(torch.int32)
+    qh = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32).to(torch.int32)
+    low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(*raw.shape[:2], 2, 4, 32)  # weight 128 h + 32 s + l
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=raw.device)[:, None]) & 3
+    q = (low | (high << 4)).reshape(*raw.shape[:2], 16, 16).float() - 32.0
+    sc = raw[..., 192:208].contiguous().view(torch.int8).float()
+    d = _fp16_at(raw, 208)[..., None]
+    return ((d * sc)[..., None] * q).flatten(-2)
+
+
 def _gguf_dequantize(fmt: str, data: torch.Tensor, k: int) -> torch.Tensor:
     n = data.shape[0]
+    if fmt in K_QUANTS:
+        raw = data.reshape(n, k // GGUF_SUPER, GGUF_BYTES[fmt])
+        return _k_quant_dequantize(fmt, raw).reshape(n, k)
     raw = data.view(n, k // GGUF_BLOCK, GGUF_BYTES[fmt])
     d = _fp16_at(raw, 0)[..., None]
     if fmt == "gguf_q8_0":
@@ -306,6 +350,8 @@ def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int, fp8_max: float = 
         return {"qweight": q.contiguous(), "scales": scale}
     if fmt == "int4":
         return _quantize_int4(w, group_size)
+    if fmt in K_QUANTS:
+        return {"qweight": _quantize_k(fmt, w)}
     if fmt in GGUF_BYTES:
         import gguf.quants
 
@@ -313,6 +359,50 @@ def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int, fp8_max: float = 
         raw = gguf.quants.quantize(w.cpu().numpy(), gguf.GGMLQuantizationType[ggml])
         return {"qweight": torch.from_numpy(raw.copy()).to(w.device)}
     raise ValueError(f"unknown quantized format {fmt!r}")
+
+
+def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.half().contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+
+def _quantize_k(fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 256 * bytes]: K-quant super-blocks of w by plain round to nearest (tests and benchmarks; llama.cpp's
+    own quantizer searches its scales, which this does not), in the layout its files have."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // GGUF_SUPER, GGUF_SUPER)
+    if fmt == "gguf_q4_k":
+        sub = blocks.reshape(*blocks.shape[:2], 8, 32)
+        lo, hi = sub.amin(-1).clamp(max=0.0), sub.amax(-1).clamp(min=0.0)
+        scale, mins = (hi - lo) / 15.0, -lo
+        d = (scale.amax(-1) / 63.0).half().float().clamp(min=6e-8)  # fp16 as stored (6e-8: its smallest step)
+        dmin = (mins.amax(-1) / 63.0).half().float().clamp(min=6e-8)
+        sc = torch.round(scale / d[..., None]).clamp(0, 63)
+        m = torch.round(mins / dmin[..., None]).clamp(0, 63)
+        step = (d[..., None] * sc).clamp(min=1e-30)
+        q = torch.round((sub + (dmin[..., None] * m)[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
+        sc, m = sc.to(torch.int32), m.to(torch.int32)
+        packed = torch.cat([
+            (sc[..., :4] | ((sc[..., 4:] >> 4) << 6)), (m[..., :4] | ((m[..., 4:] >> 4) << 6)),
+            (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
+        ], dim=-1).to(torch.uint8)  # fmt: skip
+        pairs = q.reshape(*q.shape[:2], 4, 2, 32)
+        qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).to(torch.uint8).flatten(-2)
+        raw = torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), packed, qs], dim=-1)
+    else:
+        sub = blocks.reshape(*blocks.shape[:2], 16, 16)
+        scale = sub.abs().amax(-1) / 31.0
+        d = (scale.amax(-1) / 127.0).half().float().clamp(min=6e-8)
+        sc = torch.round(scale / d[..., None]).clamp(-128, 127)
+        step = (d[..., None] * sc).clamp(min=1e-30)
+        q = (torch.round(sub / step[..., None]).clamp(-32, 31) + 32).to(torch.int32)  # weight 16 i + j
+        q = q.reshape(*q.shape[:2], 2, 4, 32)  # [half, s, l]: weight 128 h + 32 s + l
+        ql = ((q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)).flatten(-3)  # byte 64 h + 32 s + l
+        top = q >> 4  # weight 128 h + 32 s + l: its 2 high bits at bits 2 s of qh byte 32 h + l
+        qh = (top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)).flatten(-2)
+        sc8 = sc.to(torch.int8).view(torch.uint8)
+        raw = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8), sc8,
+                         _fp16_bytes(d)], dim=-1)  # fmt: skip
+    return raw.reshape(n, -1).contiguous()
 
 
 def quantize(fmt: str, w: torch.Tensor, group_size: int = INT4_GROUP) -> QuantizedWeight:

@@ -1,6 +1,6 @@
 """Projections on int4 / int8 / fp8_block / GGUF weights for many rows (prefill): the weight dequantized once per call
-into a scratch tensor in the activations' dtype by one Triton kernel (GGUF blocks: dequant_gguf.py), then ``F.linear``
-(cuBLAS on a GPU). Per-channel fp8 too where its e4m3 GEMMs do not take the call (float16 / float32 activations,
+into a scratch tensor in the activations' dtype by one Triton kernel (GGUF blocks: dequant_gguf.py; Q4_K / Q6_K:
+dequant_kquant.py), then ``F.linear`` (cuBLAS on a GPU). Per-channel fp8 too where its e4m3 GEMMs do not take the call (float16 / float32 activations,
 GPUs before sm89); elsewhere they do (fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it.
 
 The dequantized values are the reference's exactly (polyfuse/ops/quant_formats.py ``dequantize``: float32, one
@@ -29,7 +29,7 @@ from polyfuse.backends.triton.gemm_gptq import int4_block_k
 from polyfuse.ops.quant_linear import scaled_mm_refusal
 
 
-FORMATS = ("int4", "int8", "fp8", "fp8_block", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1")
+FORMATS = ("int4", "int8", "fp8", "fp8_block", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q6_k")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = (64, 128, 4)  # block_n, block_k, num_warps
 
@@ -62,6 +62,10 @@ def _dequant_kernel(
 def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(qw, dtype) by one kernel: the [N, K] weight (int4: a transposed view of a [K, N] tensor)."""
     n, k = qw.shape
+    if qw.format in ("gguf_q4_k", "gguf_q6_k"):
+        from polyfuse.backends.triton.dequant_kquant import dequantize_kquant
+
+        return dequantize_kquant(qw, dtype)
     if qw.format.startswith("gguf"):
         from polyfuse.backends.triton.dequant_gguf import dequantize_gguf
 

@@ -1,7 +1,7 @@
 """The Triton implementations of ``linear_q`` / ``swiglu_linear_q``: a one-row GEMV that reads the packed weight and
 dequantizes in its loads (for ``swiglu_linear_q`` with SwiGLU folded into the activation loads, or for the PAIRED
 formats SwiGLU's own kernel launched to let the GEMV start first), one kernel per layout (gemv_scaled.py: int8 / fp8 /
-fp8_block; gemv_gptq.py: int4; gemv_gguf.py: GGUF Q8_0 / Q4_0 / Q4_1). Anything else (more than one row, a format
+fp8_block; gemv_gptq.py: int4; gemv_gguf.py: GGUF Q8_0 / Q4_0 / Q4_1; gemv_kquant.py: GGUF Q4_K / Q6_K). Anything else (more than one row, a format
 without a kernel, gradients) is declined to the registry's next choice (the native reference: dequantize +
 ``F.linear``, i.e. cuBLAS on a GPU)."""
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from polyfuse.ops.quant_formats import GGUF_BYTES
+from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 
 
 SCALED = ("int8", "fp8", "fp8_block")
@@ -83,6 +83,8 @@ def _gemv(x, up, qweight, bias):
         from polyfuse.backends.triton.gemv_scaled import gemv_scaled as kernel
     elif fmt == "int4":
         from polyfuse.backends.triton.gemv_gptq import gemv_gptq as kernel
+    elif fmt in K_QUANTS:
+        from polyfuse.backends.triton.gemv_kquant import gemv_kquant as kernel
     else:
         from polyfuse.backends.triton.gemv_gguf import gemv_gguf as kernel
     return kernel(_row(x), None if up is None else _row(up), qweight, bias)

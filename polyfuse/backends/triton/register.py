@@ -106,7 +106,7 @@ def implementations() -> list[Implementation]:
     ]
 
 
-QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1 in its loads"
+QUANT_NOTE = "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q6_k in its loads"
 GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
     "operands)"
