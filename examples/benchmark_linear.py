@@ -82,8 +82,8 @@ GEMV_QCONFIGS = {
        for ns in (2, 3, 4)],
     "bytes": [(bn, bk, 4, ns) for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256))
               for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((8, 2048), (16, 1024)) for ns in (3, 4)],
-    # GGUF K-quants (gemv_kquant.py): rows per program; one 256-weight super-block per step (block_k unused)
-    "kquant": [(bn, 256, nw, ns) for bn in (2, 4, 8, 16) for nw in (1, 2, 4) for ns in (2, 3)],
+    # GGUF K-quants (gemv_kquant.py): rows per program; block_k / 256 super-blocks per step
+    "kquant": [(bn, bk, nw, ns) for bn in (4, 8, 16, 32) for bk in (256, 512) for nw in (1, 2, 4) for ns in (2, 3)],
 }  # fmt: skip
 
 

@@ -188,7 +188,7 @@ def _k_quant_dequantize(fmt: str, raw: torch.Tensor) -> torch.Tensor:
     ql = raw[..., 0:128].reshape(*raw.shape[:2], 2, 1, 64).to(torch.int32)
     qh = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32).to(torch.int32)
     low = torch.cat([ql & 15, ql >> 4], dim=3).reshape(*raw.shape[:2], 2, 4, 32)  # weight 128 h + 32 s + l
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=raw.device)[:, None]) & 3
+    high = (qh >> torch.arange(0, 8, 2, dtype=torch.int32, device=raw.device)[:, None]) & 3  # no host copy: graphs
     q = (low | (high << 4)).reshape(*raw.shape[:2], 16, 16).float() - 32.0
     sc = raw[..., 192:208].contiguous().view(torch.int8).float()
     d = _fp16_at(raw, 208)[..., None]

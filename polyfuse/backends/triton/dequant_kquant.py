@@ -1,8 +1,8 @@
 """GGUF Q4_K / Q6_K super-blocks dequantized by one kernel into the activations' dtype (prefill and batch decode
 through dequant_mm.py: this kernel, then ``F.linear``).
 
-Each program takes BLOCK_N rows of one super-block (256 weights): the 128 quant bytes in one load, the scales per
-sub-block (Q4_K's 6-bit pairs decoded as in gemv_kquant.py, Q6_K's int8s), then each weight as the reference
+Each program takes BLOCK_N rows of BLOCK_B super-blocks (256 weights each): the quant bytes as runs of consecutive
+bytes, the scales once per run (Q4_K's 6-bit pairs decoded as in gemv_kquant.py, Q6_K's int8s), then each weight as the reference
 (quant_formats ``dequantize``) computes it: (d * sc) * q, minus dmin * m for Q4_K, in float32, rounded once to the
 output dtype. The products are exact in float32 (an fp16 times 6 / 8 bit integers, then times a 4 / 6 bit one) except
 Q6_K's last, which rounds once in both, so the values are the reference's bit for bit.
@@ -17,53 +17,63 @@ from polyfuse.backends.triton.gemv_kquant import q4_k_scale_min
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
-BLOCK_N, NUM_WARPS = 16, 4
+# rows, super-blocks, warps per program
+TILE = (2, 4, 2)
 
 
 @triton.jit
 def _dequant_kquant_kernel(
-    W, W8, W16, WD, N, row_bytes, sd, Q6: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr
-):
+    W, W8, W16, WD, N, NB, row_bytes, sd,
+    Q6: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Tiles [BLOCK_N rows, G runs, L bytes] as gemv_kquant.py's: each quant byte gives two weights, stored as runs
+    of L consecutive outputs."""
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    b = tl.program_id(1)
-    n_mask = n < N
-    m2 = n_mask[:, None]
-    base = n * row_bytes + b * BYTES
-    t = tl.arange(0, 128)
-    out = WD + n[:, None] * sd + b * 256
+    if Q6:
+        G: tl.constexpr = 8 * BLOCK_B
+        L: tl.constexpr = 16
+    else:
+        G: tl.constexpr = 4 * BLOCK_B
+        L: tl.constexpr = 32
+    gg = tl.arange(0, G)
+    r = tl.arange(0, L)
+    sb = tl.program_id(1) * BLOCK_B + gg // (G // BLOCK_B)
+    m2 = (n < N)[:, None] & (sb < NB)[None, :]
+    m3 = m2[:, :, None]
+    base = n[:, None] * row_bytes + sb[None, :] * BYTES
+    out = WD + n[:, None, None] * sd + (sb * 256)[None, :, None]
     ty = WD.dtype.element_ty
     if Q6:
-        ql = tl.load(W + base[:, None] + t[None, :], mask=m2, other=0).to(tl.int32)
-        c = t % 64
-        qh = tl.load(W + base[:, None] + 128 + (32 * (t // 64) + c % 32)[None, :], mask=m2, other=0).to(tl.int32)
-        sh = (2 * (c // 32))[None, :]
-        q_lo = tl.reshape((((ql & 15) | (((qh >> sh) & 3) << 4)) - 32).to(tl.float32), [BLOCK_N, 8, 16])
-        q_hi = tl.reshape((((ql >> 4) | (((qh >> (sh + 4)) & 3) << 4)) - 32).to(tl.float32), [BLOCK_N, 8, 16])
-        g = tl.arange(0, 8)
-        si = 8 * (g // 4) + g % 4
-        d = tl.load(W16 + (base + 208) // 2, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        s_lo = d[:, None] * tl.load(W8 + base[:, None] + 192 + si[None, :], mask=m2, other=0).to(tl.float32)
-        s_hi = d[:, None] * tl.load(W8 + base[:, None] + 196 + si[None, :], mask=m2, other=0).to(tl.float32)
-        idx = tl.reshape(128 * (t // 64) + c, [8, 16])  # ql byte u's low weight; its high one is 64 further
-        tl.store(out[:, :, None] + idx[None, :, :], cast_rne(s_lo[:, :, None] * q_lo, ty), mask=m2[:, :, None])
-        tl.store(out[:, :, None] + 64 + idx[None, :, :], cast_rne(s_hi[:, :, None] * q_hi, ty), mask=m2[:, :, None])
+        h = (gg // 4) % 2
+        g = gg % 4
+        c = 16 * g[:, None] + r[None, :]
+        ql = tl.load(W + base[:, :, None] + (64 * h[:, None] + c)[None, :, :], mask=m3, other=0).to(tl.int32)
+        qh = tl.load(W + base[:, :, None] + (128 + 32 * h[:, None] + c % 32)[None, :, :], mask=m3, other=0)
+        qh = qh.to(tl.int32) >> (2 * (c // 32))[None, :, :]
+        q_lo = (((ql & 15) | ((qh & 3) << 4)) - 32).to(tl.float32)
+        q_hi = (((ql >> 4) | (((qh >> 4) & 3) << 4)) - 32).to(tl.float32)
+        d = tl.load(W16 + (base + 208) // 2, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        s_lo = d * tl.load(W8 + base + 192 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)
+        s_hi = d * tl.load(W8 + base + 196 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)
+        at = out + (128 * h[:, None] + c)[None, :, :]
+        tl.store(at, cast_rne(s_lo[:, :, None] * q_lo, ty), mask=m3)
+        tl.store(at + 64, cast_rne(s_hi[:, :, None] * q_hi, ty), mask=m3)
     else:
-        qs = tl.load(W + base[:, None] + 16 + t[None, :], mask=m2, other=0).to(tl.int32)
-        q_lo = tl.reshape((qs & 15).to(tl.float32), [BLOCK_N, 4, 32])
-        q_hi = tl.reshape((qs >> 4).to(tl.float32), [BLOCK_N, 4, 32])
-        j = tl.arange(0, 4)
-        sc_lo, m_lo = q4_k_scale_min(W, base, 2 * j, m2)
-        sc_hi, m_hi = q4_k_scale_min(W, base, 2 * j + 1, m2)
-        d = tl.load(W16 + base // 2, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-        dmin = tl.load(W16 + base // 2 + 1, mask=n_mask, other=0).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-        idx = tl.reshape(64 * (t // 32) + t % 32, [4, 32])  # qs byte t's low weight; its high one is 32 further
-        lo = (d * sc_lo)[:, :, None] * q_lo - (dmin * m_lo)[:, :, None]
-        hi = (d * sc_hi)[:, :, None] * q_hi - (dmin * m_hi)[:, :, None]
-        tl.store(out[:, :, None] + idx[None, :, :], cast_rne(lo, ty), mask=m2[:, :, None])
-        tl.store(out[:, :, None] + 32 + idx[None, :, :], cast_rne(hi, ty), mask=m2[:, :, None])
+        j = gg % 4
+        qs = tl.load(W + base[:, :, None] + (16 + 32 * j[:, None] + r[None, :])[None, :, :], mask=m3, other=0)
+        qs = qs.to(tl.int32)
+        sc_lo, m_lo = q4_k_scale_min(W, base, 2 * j[None, :], m2)
+        sc_hi, m_hi = q4_k_scale_min(W, base, 2 * j[None, :] + 1, m2)
+        d = tl.load(W16 + base // 2, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = tl.load(W16 + base // 2 + 1, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        lo = (d * sc_lo)[:, :, None] * (qs & 15).to(tl.float32) - (dmin * m_lo)[:, :, None]
+        hi = (d * sc_hi)[:, :, None] * (qs >> 4).to(tl.float32) - (dmin * m_hi)[:, :, None]
+        at = out + (64 * j[:, None] + r[None, :])[None, :, :]
+        tl.store(at, cast_rne(lo, ty), mask=m3)
+        tl.store(at + 32, cast_rne(hi, ty), mask=m3)
 
 
-def dequantize_kquant(qw, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_kquant(qw, dtype: torch.dtype, tile=None) -> torch.Tensor:
     """dequantize(qw, dtype) of a kept Q4_K / Q6_K weight: [N, K]."""
     n, k = qw.shape
     w = qw.qweight
@@ -73,8 +83,10 @@ def dequantize_kquant(qw, dtype: torch.dtype) -> torch.Tensor:
     nbytes = GGUF_BYTES[qw.format]
     assert w.shape[1] == nb * nbytes
     wd = torch.empty((n, k), dtype=dtype, device=w.device)
-    _dequant_kquant_kernel[(triton.cdiv(n, BLOCK_N), nb)](
-        w, w.view(torch.int8), w.view(torch.int16), wd, n, w.stride(0), wd.stride(0),
-        Q6=qw.format == "gguf_q6_k", BYTES=nbytes, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+    block_n, block_b, num_warps = tile or TILE
+    assert block_b & (block_b - 1) == 0, "super-blocks per program: a power of 2"
+    _dequant_kquant_kernel[(triton.cdiv(n, block_n), triton.cdiv(nb, block_b))](
+        w, w.view(torch.int8), w.view(torch.int16), wd, n, nb, w.stride(0), wd.stride(0),
+        Q6=qw.format == "gguf_q6_k", BYTES=nbytes, BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps,
     )  # fmt: skip
     return wd
