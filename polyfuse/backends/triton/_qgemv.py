@@ -134,8 +134,8 @@ TILES = {
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
-    "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py)
-    "gguf_q6_k": (32, 256, 4, 3),
+    "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py; session 16)
+    "gguf_q6_k": (2, 512, 1, 3),
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
 # H200; us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8;

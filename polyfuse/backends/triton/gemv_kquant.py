@@ -2,10 +2,11 @@
 
 A row of the weight is K / 256 super-blocks (quant_formats.py has the layouts). Each program owns BLOCK_N rows and
 walks its share of the row's super-blocks BLOCK_B at a time (block_k / 256 of the tile), loading the quant bytes as
-runs of consecutive bytes and the scales once per run:
+runs of consecutive bytes, summing q x over each run and applying the run's scales to that sum:
 
 * Q4_K: quant byte 32 j + l holds weight 64 j + l (low nibble, sub-block 2 j) and the weight 32 after it (high
-  nibble, sub-block 2 j + 1); w = (d sc) q - dmin m with the 6-bit sc and m decoded per run, not per weight.
+  nibble, sub-block 2 j + 1); w = (d sc) q - dmin m: the run adds d sc sum(q x) - dmin m sum(x), with the 6-bit sc
+  and m decoded per run, not per weight.
 * Q6_K: ql byte 64 h + c holds weight 128 h + c (low nibble) and weight 128 h + c + 64 (high); their 2 high bits are
   bits 2 (c // 32) and 2 (c // 32) + 4 of qh byte 32 h + c % 32; a run of 16 shares one int8 scale.
 
@@ -44,13 +45,16 @@ def _gemv_kquant_kernel(
     SWIGLU: tl.constexpr, Q6: tl.constexpr, BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, G groups, L weights]: Q4_K G = 4 BLOCK_B (a super-block's 4 runs of 32 quant bytes, each
+    """Tiles [BLOCK_N rows, G runs, L bytes]: Q4_K G = 4 BLOCK_B (a super-block's 4 runs of 32 quant bytes, each
     byte two weights 32 apart, of sub-blocks 2 j and 2 j + 1), L = 32; Q6_K G = 8 BLOCK_B (a super-block's 2 halves x
-    4 runs of 16 ql bytes, each byte two weights 64 apart with one scale per run), L = 16. The products, scaled per
-    group, accumulate elementwise over the K loop and are summed once at its end."""
+    4 runs of 16 ql bytes, each byte two weights 64 apart with one scale per run), L = 16. Each run's sums of q x
+    (and, for Q4_K's mins, of x) are scaled once per run; every tensor is built 3-D, so the scales and activations
+    keep the quants' register layout (the first version, with 2-D scales and a reshape, converted them every step)."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
+    n3 = n[:, None, None]
+    n3_mask = n3 < N
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
     if Q6:
@@ -59,45 +63,47 @@ def _gemv_kquant_kernel(
     else:
         G: tl.constexpr = 4 * BLOCK_B
         L: tl.constexpr = 32
-    gg = tl.arange(0, G)
-    r = tl.arange(0, L)
-    acc = tl.zeros([BLOCK_N, G, L], dtype=tl.float32)
+    # Every tensor is built [rows, groups, bytes] (size 1 where it does not vary): scales and activations keep the
+    # quants' register layout.
+    gg = tl.arange(0, G)[None, :, None]
+    r = tl.arange(0, L)[None, None, :]
+    acc = tl.zeros([BLOCK_N, G, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        sb = b0 + gg // (G // BLOCK_B)  # each group's super-block
+        sb = b0 + gg // (G // BLOCK_B)  # [1, G, 1]: each group's super-block
         g_mask = sb < b_end
-        m2 = n_mask[:, None] & g_mask[None, :]
-        m3 = m2[:, :, None]
-        base = n[:, None] * row_bytes + sb[None, :] * BYTES  # [BLOCK_N, G]
+        m = n3_mask & g_mask  # [BLOCK_N, G, 1]
+        base = n3 * row_bytes + sb * BYTES
         if Q6:
             h = (gg // 4) % 2
-            g = gg % 4
-            c = 16 * g[:, None] + r[None, :]  # [G, L]: ql byte 64 h + c; weights 128 h + c and 64 further
-            ql = tl.load(W + base[:, :, None] + (64 * h[:, None] + c)[None, :, :], mask=m3, other=0).to(tl.int32)
-            qh = tl.load(W + base[:, :, None] + (128 + 32 * h[:, None] + c % 32)[None, :, :], mask=m3, other=0)
-            qh = qh.to(tl.int32) >> (2 * (c // 32))[None, :, :]
+            c = 16 * (gg % 4) + r  # [1, G, L]: ql byte 64 h + c; weights 128 h + c and 64 further
+            ql = tl.load(W + base + 64 * h + c, mask=m, other=0).to(tl.int32)
+            qh = tl.load(W + base + 128 + 32 * h + c % 32, mask=m, other=0).to(tl.int32) >> (2 * (c // 32))
             q_lo = (((ql & 15) | ((qh & 3) << 4)) - 32).to(tl.float32)
             q_hi = (((ql >> 4) | (((qh >> 4) & 3) << 4)) - 32).to(tl.float32)
-            kx = sb[:, None] * 256 + 128 * h[:, None] + c
-            x_lo = load_x(X, U, kx, g_mask[:, None], SWIGLU)
-            x_hi = load_x(X, U, kx + 64, g_mask[:, None], SWIGLU)
-            d = tl.load(W16 + (base + 208) // 2, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            s_lo = d * tl.load(W8 + base + 192 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)
-            s_hi = d * tl.load(W8 + base + 196 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)
-            acc += (q_lo * s_lo[:, :, None]) * x_lo[None, :, :] + (q_hi * s_hi[:, :, None]) * x_hi[None, :, :]
+            kx = sb * 256 + 128 * h + c
+            x_lo = load_x(X, U, kx, g_mask, SWIGLU)
+            x_hi = load_x(X, U, kx + 64, g_mask, SWIGLU)
+            d = tl.load(W16 + (base + 208) // 2, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            s_lo = d * tl.load(W8 + base + 192 + 8 * h + gg % 4, mask=m, other=0).to(tl.float32)
+            s_hi = d * tl.load(W8 + base + 196 + 8 * h + gg % 4, mask=m, other=0).to(tl.float32)
+            dot_lo = tl.sum(q_lo * x_lo, axis=2, keep_dims=True)
+            dot_hi = tl.sum(q_hi * x_hi, axis=2, keep_dims=True)
+            acc += s_lo * dot_lo + s_hi * dot_hi
         else:
             j = gg % 4
-            qs = tl.load(W + base[:, :, None] + (16 + 32 * j[:, None] + r[None, :])[None, :, :], mask=m3, other=0)
-            qs = qs.to(tl.int32)
-            kx = sb[:, None] * 256 + 64 * j[:, None] + r[None, :]
-            x_lo = load_x(X, U, kx, g_mask[:, None], SWIGLU)
-            x_hi = load_x(X, U, kx + 32, g_mask[:, None], SWIGLU)
-            sc_lo, m_lo = q4_k_scale_min(W, base, 2 * j[None, :], m2)
-            sc_hi, m_hi = q4_k_scale_min(W, base, 2 * j[None, :] + 1, m2)
-            d = tl.load(W16 + base // 2, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            dmin = tl.load(W16 + base // 2 + 1, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            w_lo = (qs & 15).to(tl.float32) * (d * sc_lo)[:, :, None] - (dmin * m_lo)[:, :, None]
-            w_hi = (qs >> 4).to(tl.float32) * (d * sc_hi)[:, :, None] - (dmin * m_hi)[:, :, None]
-            acc += w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
+            qs = tl.load(W + base + 16 + 32 * j + r, mask=m, other=0).to(tl.int32)
+            kx = sb * 256 + 64 * j + r
+            x_lo = load_x(X, U, kx, g_mask, SWIGLU)
+            x_hi = load_x(X, U, kx + 32, g_mask, SWIGLU)
+            sc_lo, m_lo = q4_k_scale_min(W, base, 2 * j, m)
+            sc_hi, m_hi = q4_k_scale_min(W, base, 2 * j + 1, m)
+            d = tl.load(W16 + base // 2, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            dmin = tl.load(W16 + base // 2 + 1, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            dot_lo = tl.sum((qs & 15).to(tl.float32) * x_lo, axis=2, keep_dims=True)
+            dot_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi, axis=2, keep_dims=True)
+            xs_lo = tl.sum(x_lo, axis=2, keep_dims=True)
+            xs_hi = tl.sum(x_hi, axis=2, keep_dims=True)
+            acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(tl.sum(acc, axis=2), axis=1), HAS_BIAS, SPLIT)
 
 
