@@ -14,7 +14,7 @@ Where the packed weights come from:
   * ``quant="int8" | "int4" | "fp8" | "fp8_block"``: a float checkpoint (safetensors, or a GGUF dequantized) is
     quantized tensor by tensor as it loads (round to nearest; the formats are row-local, so each fused part is
     quantized on its own). A projection the format cannot pack keeps the run's dtype, with one warning naming it.
-  * a GGUF: Q8_0 / Q4_0 / Q4_1 tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
+  * a GGUF: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
     implementation besides the native reference (a Triton GEMV on NVIDIA), or with ``quant="gguf"``; otherwise they
     are dequantized at load (the same numbers as the native reference, without dequantizing at every call). Other
     quantized GGUF types are dequantized at load with one warning.
