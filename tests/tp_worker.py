@@ -134,6 +134,8 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
       ``quantize_lm_head_`` (tied: the replicated embedding's rows); int4 groups align, so TP=2 equals TP=1;
       int8 scales come from each rank's own columns of o_proj / down_proj (close to TP=1, not equal);
     * ``gguf``: a GGUF with Q8_0 / Q4_0 / Q4_1 projections kept as stored (``quant="gguf"``);
+    * ``gguf_k``: a GGUF with K-quants kept (q/k/v and gate/up Q4_K, down Q6_K: its 512 columns split on the
+      256-weight super-blocks; o Q8_0, as its 256 columns would cut a super-block);
     * ``split_error``: an int4 checkpoint whose down_proj halves (192 columns) split a group: one error on every
       rank, before any weight is read."""
     from helpers import write_tiny_gguf
@@ -150,6 +152,9 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
         perturb_(whole, seed=5).save_pretrained(dense)
         write_tiny_gguf(os.path.join(root, "tiny.gguf"), whole, {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0",
                         "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q4_1", "down_proj": "Q8_0"})  # fmt: skip
+        write_tiny_gguf(os.path.join(root, "tiny_k.gguf"), whole, {"q_proj": "Q4_K", "k_proj": "Q4_K",
+                        "v_proj": "Q4_K", "o_proj": "Q8_0", "gate_proj": "Q4_K", "up_proj": "Q4_K",
+                        "down_proj": "Q6_K"})  # fmt: skip
     dist.barrier()
     llama = family_for("llama")
     for fmt in ("int4", "int8", "fp8", "fp8_block"):
@@ -198,6 +203,12 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
     model = AutoModelForCausalLM.from_pretrained(root, gguf_file="tiny.gguf", quant="gguf", **kw).eval()
     out["gguf"] = compare(model, ref, ids, mask, 8, eos=7)
     out["gguf"]["formats"] = sorted({m.format for m in quantized_modules(model).values()})
+    ref = None
+    if rank == 0:
+        ref = loading.from_pretrained(llama, root, "tiny_k.gguf", quant="gguf", **one).eval()
+    model = AutoModelForCausalLM.from_pretrained(root, gguf_file="tiny_k.gguf", quant="gguf", **kw).eval()
+    out["gguf_k"] = compare(model, ref, ids, mask, 8, eos=7)
+    out["gguf_k"]["formats"] = sorted({m.format for m in quantized_modules(model).values()})
 
     # Uneven halves (qwen2_uneven: 65 + 64 MLP columns): int4 packs 8 rows a word, so rank 0's gate/up and down stay
     # float (one warning) while rank 1's are int4; the ranks still agree on the model and decode together.
