@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from polyfuse.ops.quant_formats import FORMATS, GGUF_SUPER, K_QUANTS, quantize
+from polyfuse.ops.quant_formats import FORMATS, GGUF_BYTES, GGUF_SUPER, K_QUANTS, QuantizedWeight, quantize
 
 
 def act_order(qw):
@@ -32,6 +32,19 @@ def _quantized_on_host(fmt: str, n: int, k: int, seed: int):
     w = torch.randn(n, k, generator=gen) * 0.05
     qw = quantize(fmt.replace("_act", ""), w)
     return act_order(qw) if fmt == "int4_act" else qw
+
+
+def random_kquant(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A Q4_K / Q6_K weight of random bytes: every scale, min and quant pattern, Q6_K's negative scales, and fp16 d /
+    dmin of both signs, zero in every fourth super-block (what llama.cpp's files hold and our quantizer never writes)."""
+    gen = torch.Generator().manual_seed(seed)
+    nb, nbytes = k // GGUF_SUPER, GGUF_BYTES[fmt]
+    raw = torch.randint(0, 256, (n, nb, nbytes), generator=gen, dtype=torch.uint8)
+    for at in (0, 2) if fmt == "gguf_q4_k" else (208,):
+        d = (torch.rand(n, nb, generator=gen) - 0.3) * 0.01
+        d[:, ::4] = 0.0
+        raw[..., at : at + 2] = d.half().view(torch.uint8).reshape(n, nb, 2)
+    return QuantizedWeight(fmt, (n, k), raw.reshape(n, nb * nbytes))
 
 
 def quantized(fmt: str, n: int, k: int, device, seed: int = 0):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from quant_cases import quantized
+from quant_cases import quantized, random_kquant
 
 from polyfuse.core import registry
 from polyfuse.ops import quant_formats as qf
@@ -337,6 +337,8 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
     if importlib.util.find_spec("gguf") is not None:  # the GGUF cases are quantized by the gguf package
         weights += [quantized(f, 72, 320, "cpu") for f in ("gguf_q8_0", "gguf_q4_0", "gguf_q4_1")]
     weights += [qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g) for g in (32, 192)]
+    for fmt in qf.K_QUANTS:  # our packing, and random super-blocks (negative and zero d, Q6_K's negative scales)
+        weights += [quantized(fmt, 37, 768, "cpu"), random_kquant(fmt, 37, 768, seed=3)]
     for qw in weights:
         w = dequantize_q(qw, dtype)
         assert w.shape == qw.shape and w.dtype == dtype

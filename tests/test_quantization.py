@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
-from quant_cases import act_order, quantized
+from quant_cases import act_order, quantized, random_kquant
 
 from polyfuse.core import registry
 from polyfuse.engine import quantize as qz
@@ -144,7 +144,20 @@ def test_cannot_pack():
 
 @pytest.mark.parametrize(
     "fmt",
-    ["int8", "fp8", "fp8_block", "int4", "int4_act", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q6_k"],
+    [
+        "int8",
+        "fp8",
+        "fp8_block",
+        "int4",
+        "int4_act",
+        "gguf_q8_0",
+        "gguf_q4_0",
+        "gguf_q4_1",
+        "gguf_q4_k",
+        "gguf_q6_k",
+        "random_q4_k",
+        "random_q6_k",
+    ],
 )
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
@@ -155,9 +168,11 @@ def test_gemv_paths_against_the_reference(fmt):
     from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
     kernel = gemv_gptq if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_scaled
-    kernel = gemv_kquant if fmt in qf.K_QUANTS else kernel
-    k = 544 if fmt not in qf.K_QUANTS else 768
-    qw = quantized(fmt, 40, k, "cpu")
+    kquant = fmt in qf.K_QUANTS or fmt.startswith("random")
+    kernel = gemv_kquant if kquant else kernel
+    k = 768 if kquant else 544
+    # random_*: super-blocks of random bytes (negative and zero d, Q6_K's negative scales), as llama.cpp files hold
+    qw = random_kquant("gguf_" + fmt[7:], 40, k, seed=4) if fmt.startswith("random") else quantized(fmt, 40, k, "cpu")
     gen = torch.Generator().manual_seed(3)
     x, up, bias = (
         torch.randn(1, k, generator=gen),

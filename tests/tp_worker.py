@@ -135,7 +135,7 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
       int8 scales come from each rank's own columns of o_proj / down_proj (close to TP=1, not equal);
     * ``gguf``: a GGUF with Q8_0 / Q4_0 / Q4_1 projections kept as stored (``quant="gguf"``);
     * ``gguf_k``: a GGUF with K-quants kept (q/k/v and gate/up Q4_K, down Q6_K: its 512 columns split on the
-      256-weight super-blocks; o Q8_0, as its 256 columns would cut a super-block);
+      256-weight super-blocks; o Q8_0: each rank's 128 of its 256 columns cannot hold a super-block);
     * ``split_error``: an int4 checkpoint whose down_proj halves (192 columns) split a group: one error on every
       rank, before any weight is read."""
     from helpers import write_tiny_gguf

@@ -5,7 +5,7 @@ head's vocabulary rows) takes each component's entries of its output rows: along
 per ``n_per`` rows (int4's packed zeros: one word per 8 columns of N). A row-parallel projection's rank (o_proj,
 down_proj) takes its input columns: along the component's k dim, ``k_span`` entries per ``k_per`` columns (int4's
 words one per 8 columns of K, its scales and zeros one per group; fp8_block's scales one per 128; a GGUF block's
-18-34 bytes per 32). A component without that dim is read whole (a per-channel scale of a row-parallel
+18-34 bytes per 32, a K-quant super-block's 144 / 210 per 256). A component without that dim is read whole (a per-channel scale of a row-parallel
 projection: each rank's columns keep their row's scale, so the ranks' weights are exactly the checkpoint's).
 
 A shard boundary inside an entry (an int4 group split between two ranks, say) cannot be sliced: ``cannot_split``

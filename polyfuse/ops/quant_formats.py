@@ -30,7 +30,8 @@ format         components (module buffer: dtype [shape]) and value of weight [n,
 =============  =========================================================================================================
 
 ``dequantize`` (any device, torch only) is the reference every kernel is tested against; ``quantize`` makes the
-formats from a float weight (round to nearest; GGUF types through the ``gguf`` package, for tests).
+formats from a float weight (round to nearest; the 32-weight GGUF types through the ``gguf`` package, the K-quants by
+``_quantize_k``; GGUF formats for tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -374,8 +375,8 @@ def _quantize_k(fmt: str, w: torch.Tensor) -> torch.Tensor:
         sub = blocks.reshape(*blocks.shape[:2], 8, 32)
         lo, hi = sub.amin(-1).clamp(max=0.0), sub.amax(-1).clamp(min=0.0)
         scale, mins = (hi - lo) / 15.0, -lo
-        d = (scale.amax(-1) / 63.0).half().float().clamp(min=6e-8)  # fp16 as stored (6e-8: its smallest step)
-        dmin = (mins.amax(-1) / 63.0).half().float().clamp(min=6e-8)
+        d = (scale.amax(-1) / 63.0).half().float().clamp(min=2**-24)  # fp16 as stored (2^-24: its smallest step)
+        dmin = (mins.amax(-1) / 63.0).half().float().clamp(min=2**-24)
         sc = torch.round(scale / d[..., None]).clamp(0, 63)
         m = torch.round(mins / dmin[..., None]).clamp(0, 63)
         step = (d[..., None] * sc).clamp(min=1e-30)
@@ -391,7 +392,7 @@ def _quantize_k(fmt: str, w: torch.Tensor) -> torch.Tensor:
     else:
         sub = blocks.reshape(*blocks.shape[:2], 16, 16)
         scale = sub.abs().amax(-1) / 31.0
-        d = (scale.amax(-1) / 127.0).half().float().clamp(min=6e-8)
+        d = (scale.amax(-1) / 127.0).half().float().clamp(min=2**-24)
         sc = torch.round(scale / d[..., None]).clamp(-128, 127)
         step = (d[..., None] * sc).clamp(min=1e-30)
         q = (torch.round(sub / step[..., None]).clamp(-32, 31) + 32).to(torch.int32)  # weight 16 i + j

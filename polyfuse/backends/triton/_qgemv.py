@@ -1,4 +1,5 @@
-"""Shared pieces of the quantized one-row GEMVs (gemv_scaled.py, gemv_gptq.py, gemv_gguf.py): the activation load
+"""Shared pieces of the quantized one-row GEMVs (gemv_scaled.py, gemv_gptq.py, gemv_gguf.py, gemv_kquant.py): the
+activation load
 with SwiGLU folded in, the fp8 bit decoding for GPUs without fp8 conversions, tile choice and split-K launch."""
 
 import json
@@ -118,12 +119,12 @@ def weight_tile(ptrs, mask, other, EARLY: tl.constexpr):
 
 
 # Tiles per format: (block_n, block_k, num_warps, num_stages); block_k counts weights along K (int4: a multiple of
-# 8; gguf: of 32); num_stages is the K loop's software-pipelining depth (tiles in flight). int8 / fp8: the least
+# 8; gguf: of 32; the K-quants: a power-of-2 multiple of 256); num_stages is the K loop's software-pipelining depth (tiles in flight). int8 / fp8: the least
 # time summed over the Llama-3-8B projections on one H200 (benchmark_linear.py --quant int4,int8,fp8 --gemv_sweep,
 # run 22, with the pipelined loop: 65.4 / 66.4 us per layer, against 79.7 / 92.7 in run 21); int4: the least summed
 # over the Llama-3-8B and Llama-2-70B projections (run 25: 78.8 / 232.3 us per layer with this tile, 71.5 / 209.6
-# with SHAPE_TILES, against 87.3 / 277.7 for run 24's kernel and tiles in the same call); fp8_block and GGUF: not
-# tuned on a GPU yet. POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces
+# with SHAPE_TILES, against 87.3 / 277.7 for run 24's kernel and tiles in the same call); fp8_block and the 32-weight GGUF
+# types: not tuned on a GPU yet; Q4_K / Q6_K: swept on the 8B projections in run 32. POLYFUSE_QGEMV_TILES='{"int4": [64, 128, 4, 3], ...}' replaces
 # entries.
 TILES = {
     "int8": (32, 256, 4, 4),
