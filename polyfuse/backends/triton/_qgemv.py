@@ -254,6 +254,16 @@ def split_k(n_programs: int, k_tiles: int, device: torch.device, per_sm: int = 2
     return max(1, min(want, k_tiles))
 
 
+def split_plan(grid_n: int, units: int, block: int, device, split=None, per_sm: int = 2) -> tuple[int, int]:
+    """(splits, units per split) of a one-row launch whose K holds ``units`` (weights, words, blocks) taken ``block`` a
+    step: ``split`` (a test's or a sweep's) or split_k's choice, rounded so that every split starts on a step and none
+    is empty."""
+    steps = triton.cdiv(units, block)
+    split = split or split_k(grid_n, steps, device, per_sm)
+    per = triton.cdiv(steps, split) * block
+    return triton.cdiv(units, per), per
+
+
 _COUNTERS: dict = {}
 
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._rounding import cast_rne
-from polyfuse.backends.triton.gemv_kquant import q4_k_scale_min
+from polyfuse.backends.triton.gemv_kquant import q4_k_scale_min, q6_k_quants
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -47,11 +47,7 @@ def _dequant_kquant_kernel(
         h = (gg // 4) % 2
         g = gg % 4
         c = 16 * g[:, None] + r[None, :]
-        ql = tl.load(W + base[:, :, None] + (64 * h[:, None] + c)[None, :, :], mask=m3, other=0).to(tl.int32)
-        qh = tl.load(W + base[:, :, None] + (128 + 32 * h[:, None] + c % 32)[None, :, :], mask=m3, other=0)
-        qh = qh.to(tl.int32) >> (2 * (c // 32))[None, :, :]
-        q_lo = (((ql & 15) | ((qh & 3) << 4)) - 32).to(tl.float32)
-        q_hi = (((ql >> 4) | (((qh >> 4) & 3) << 4)) - 32).to(tl.float32)
+        q_lo, q_hi = q6_k_quants(W, base[:, :, None], h[None, :, None], c[None, :, :], m3)
         d = tl.load(W16 + (base + 208) // 2, mask=m2, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         s_lo = d * tl.load(W8 + base + 192 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)
         s_hi = d * tl.load(W8 + base + 196 + 8 * h[None, :] + g[None, :], mask=m2, other=0).to(tl.float32)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_k, store_out
+from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_plan, store_out
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -85,10 +85,7 @@ def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
     nb = k // 32
     assert w.shape[1] == nb * GGUF_BYTES[qw.format]
     grid_n = triton.cdiv(n, block_n)
-    b_tiles = triton.cdiv(nb, block_b)
-    split = split or split_k(grid_n, b_tiles, x.device)
-    per = triton.cdiv(b_tiles, split) * block_b
-    split = triton.cdiv(nb, per)
+    split, per = split_plan(grid_n, nb, block_b, x.device, split)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     _gemv_gguf_kernel[(grid_n, split)](

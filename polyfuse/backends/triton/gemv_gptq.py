@@ -33,7 +33,7 @@ from polyfuse.backends.triton._qgemv import (
     prefetch_tiles,
     programs_per_sm,
     split_buffers,
-    split_k,
+    split_plan,
     store_out,
     tiles_for,
     weight_tile,
@@ -220,11 +220,8 @@ def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
     block_n, block_k8, num_warps, num_stages, act_order = _plan(qw.shape, qw.group_size, bool(qw.act_order), tiles)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k8, block_k8)
     per_sm = programs_per_sm("int4", n, k)
-    split = split or split_k(grid_n, k_tiles, x.device, per_sm)
-    per = triton.cdiv(k_tiles, split) * block_k8
-    split = triton.cdiv(k8, per)
+    split, per = split_plan(grid_n, k8, block_k8, x.device, split, per_sm)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))

@@ -36,7 +36,7 @@ from polyfuse.backends.triton._qgemv import (
     dense_rows,
     int4_group_term,
     programs_per_sm,
-    split_k,
+    split_plan,
     tiles_for,
     workspace,
 )
@@ -195,10 +195,7 @@ def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
     block_n, _, num_warps, num_stages = tiles or tiles_for("int4_mma", n, k)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
-    k_tiles = k // TILE_K
-    split = split or split_k(grid_n, k_tiles, x.device, programs_per_sm("int4_mma", n, k))
-    per = triton.cdiv(k_tiles, split) * 16
-    split = triton.cdiv(k8, per)
+    split, per = split_plan(grid_n, k8, TILE_K // 8, x.device, split, programs_per_sm("int4_mma", n, k))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = workspace(split, m, n, x.device)
     cnt = counters(x.device, grid_n)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import load_x, split_buffers, split_k, store_out, tiles_for
+from polyfuse.backends.triton._qgemv import load_x, split_buffers, split_plan, store_out, tiles_for
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -37,6 +37,17 @@ def q4_k_scale_min(W, base, sb, mask):
     sc = tl.where(low, a & 63, (c & 15) | ((a >> 6) << 4))
     m = tl.where(low, bm & 63, (c >> 4) | ((bm >> 6) << 4))
     return sc.to(tl.float32), m.to(tl.float32)
+
+
+@triton.jit
+def q6_k_quants(W, base, h, c, mask):
+    """(q_lo, q_hi) float32, minus 32, of Q6_K's ql bytes 64 h + c of the super-blocks at byte ``base`` (the weights
+    128 h + c and 64 further), their 2 high bits from qh byte 32 h + c % 32 (bits 2 (c // 32) and 4 above them)."""
+    ql = tl.load(W + base + 64 * h + c, mask=mask, other=0).to(tl.int32)
+    qh = tl.load(W + base + 128 + 32 * h + c % 32, mask=mask, other=0).to(tl.int32) >> (2 * (c // 32))
+    q_lo = (((ql & 15) | ((qh & 3) << 4)) - 32).to(tl.float32)
+    q_hi = (((ql >> 4) | (((qh >> 4) & 3) << 4)) - 32).to(tl.float32)
+    return q_lo, q_hi
 
 
 @triton.jit
@@ -76,10 +87,7 @@ def _gemv_kquant_kernel(
         if Q6:
             h = (gg // 4) % 2
             c = 16 * (gg % 4) + r  # [1, G, L]: ql byte 64 h + c; weights 128 h + c and 64 further
-            ql = tl.load(W + base + 64 * h + c, mask=m, other=0).to(tl.int32)
-            qh = tl.load(W + base + 128 + 32 * h + c % 32, mask=m, other=0).to(tl.int32) >> (2 * (c // 32))
-            q_lo = (((ql & 15) | ((qh & 3) << 4)) - 32).to(tl.float32)
-            q_hi = (((ql >> 4) | (((qh >> 4) & 3) << 4)) - 32).to(tl.float32)
+            q_lo, q_hi = q6_k_quants(W, base, h, c, m)
             kx = sb * 256 + 128 * h + c
             x_lo = load_x(X, U, kx, g_mask, SWIGLU)
             x_hi = load_x(X, U, kx + 64, g_mask, SWIGLU)
@@ -120,10 +128,7 @@ def gemv_kquant(x, up, qw, bias=None, tiles=None, split=None):
     nbytes = GGUF_BYTES[qw.format]
     assert w.shape[1] == nb * nbytes
     grid_n = triton.cdiv(n, block_n)
-    b_tiles = triton.cdiv(nb, block_b)
-    split = split or split_k(grid_n, b_tiles, x.device)
-    per = triton.cdiv(b_tiles, split) * block_b
-    split = triton.cdiv(nb, per)
+    split, per = split_plan(grid_n, nb, block_b, x.device, split)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     _gemv_kquant_kernel[(grid_n, split)](

@@ -26,7 +26,7 @@ from polyfuse.backends.triton._qgemv import (
     prefetch_tiles,
     programs_per_sm,
     split_buffers,
-    split_k,
+    split_plan,
     store_out,
     tail_unroll,
     tiles_for,
@@ -149,10 +149,7 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     if fp8_bits:
         w = w.view(torch.uint8)
     grid_n = triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    split = split or split_k(grid_n, k_tiles, w.device, programs_per_sm(qw.format, n, k))
-    per = triton.cdiv(k_tiles, split) * block_k
-    split = triton.cdiv(k, per)
+    split, per = split_plan(grid_n, k, block_k, w.device, split, programs_per_sm(qw.format, n, k))
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     # 4 weights a register; no early loads of a copy made just now (dense_rows, the fp8 bit view aside)
