@@ -144,7 +144,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     from polyfuse.backends.triton.quant_gemv import linear_q as gemv_q
     from polyfuse.backends.triton.quant_gemv import swiglu_linear_q as gemv_q_swiglu
     from polyfuse.backends.triton.swiglu import swiglu
-    from polyfuse.ops.quant_formats import dequantize, quantize
+    from polyfuse.ops.quant_formats import K_QUANTS, dequantize, quantize
     from polyfuse.ops.quant_linear import linear_q_native
 
     qw = quantize(fmt, w.float())
@@ -171,7 +171,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
             from polyfuse.backends.triton.gemv_kquant import gemv_kquant
             from polyfuse.backends.triton.gemv_scaled import gemv_scaled
 
-            kquant = fmt in ("gguf_q4_k", "gguf_q6_k")
+            kquant = fmt in K_QUANTS
             kernel = {"int4": gemv_gptq}.get(
                 fmt, gemv_kquant if kquant else gemv_gguf if "gguf" in fmt else gemv_scaled
             )

@@ -26,10 +26,11 @@ from polyfuse.backends.triton._qgemm import BYTE_KINDS, RESHAPE, byte_tile, int4
 from polyfuse.backends.triton._qgemv import dense_rows, no_fp8_cvt
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton.gemm_gptq import int4_block_k
+from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 from polyfuse.ops.quant_linear import scaled_mm_refusal
 
 
-FORMATS = ("int4", "int8", "fp8", "fp8_block", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q6_k")
+FORMATS = ("int4", "int8", "fp8", "fp8_block", *GGUF_BYTES)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = (64, 128, 4)  # block_n, block_k, num_warps
 
@@ -62,7 +63,7 @@ def _dequant_kernel(
 def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(qw, dtype) by one kernel: the [N, K] weight (int4: a transposed view of a [K, N] tensor)."""
     n, k = qw.shape
-    if qw.format in ("gguf_q4_k", "gguf_q6_k"):
+    if qw.format in K_QUANTS:
         from polyfuse.backends.triton.dequant_kquant import dequantize_kquant
 
         return dequantize_kquant(qw, dtype)
