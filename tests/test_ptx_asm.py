@@ -23,7 +23,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from polyfuse.backends.triton import gemv_gptq, gemv_gptq_mma, gemv_scaled
+from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gptq_mma, gemv_scaled
 
 def compile_(fn, sig, consts):
     sig = {name: sig[name] for name in fn.arg_names}  # the kernel's parameter order (older Tritons read it by position)
@@ -63,6 +63,21 @@ for fp16 in (False, True):
         sig.update(X="*fp16", S="*fp16", B="*fp16", Y="*fp16")
     ptx = compile_(gemv_gptq_mma._gemv_gptq_mma_kernel, sig, consts)
     assert ptx.count("lop3.b32") >= 8 and "mma.sync" in ptx, "int4 mma: the plane decode or the mma is missing"
+sig = dict(XW="*i32", DX="*fp32", RS="*fp32", QW="*i32", QZ="*i32", S="*fp16", B="*bf16", Y="*bf16", WS="*fp32",
+           CNT="*i32", N="i32", K8="i32", G_SIZE="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
+           SPLIT="i32")
+consts = dict(HAS_BIAS=False, BLOCK_N=256, BLOCK_K8=8, STAGES=2, PDL=False, ASM=True, RBLOCK=16, PRE=2, UNROLL=8)
+sig.update({k: "constexpr" for k in consts})
+ptx = compile_(gemv_gptq_a8._gemv_gptq_a8_kernel, sig, consts)
+assert ptx.count("dp4a.u32.s32") >= 16, "W4A8: the integer dot products are missing"
+sig = dict(X="*bf16", U="*bf16", XW="*i32", DX="*fp32", RS="*fp32", K="i32")
+consts = dict(SWIGLU=True, BLOCK=1024, PDL=False, ASM=True)
+sig.update({k: "constexpr" for k in consts})
+assert "mul.rn.f32" in compile_(act_int8._quantize_kernel, sig, consts), "int8 activations: the rounded product"
+sig = dict(X="*bf16", RES="*bf16", R="*bf16", W="*bf16", XW="*i32", DX="*fp32", RS="*fp32", H="i32", eps="fp32")
+consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True)
+sig.update({k: "constexpr" for k in consts})
+assert "mul.rn.f32" in compile_(act_int8._norm_quantize_kernel, sig, consts)
 print("ok")
 """
 
@@ -173,3 +188,42 @@ def test_int4_mma_planes_give_one_plus_nibble_over_16(fp16):
         for got, w in ((lo, a), (hi, b)):
             q = ((w >> np.uint32(4 * i)) & np.uint32(15)).astype(np.float32)
             assert np.array_equal(got, 1 + q / 16), i
+
+
+def _dp4a(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """PTX dp4a.u32.s32: c + sum over the 4 bytes of a (unsigned) times those of b (signed), in int64 here."""
+    out = c.astype(np.int64)
+    for i in range(4):
+        ua = ((a >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.int64)
+        sb = ((b >> np.uint32(8 * i)) & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.int64)
+        out += ua * sb
+    return out
+
+
+def test_int4_a8_dot_gives_the_interpreter_branch_numbers():
+    """gemv_gptq_a8's PTX (masks, a shift, two dp4a) emulated line by line on random words and activation bytes:
+    the same int32 as its interpreter branch, which is sum_i q_i x_i (q_i nibble i, x_i the int8 activations, even
+    ones in xe and odd ones in xo)."""
+    from polyfuse.backends.triton import gemv_gptq_a8
+
+    rng = np.random.default_rng(3)
+    w, xe, xo = (rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(3))
+    w[:2], xe[:2], xo[:2] = [0, 0xFFFFFFFF], [0x80808080, 0x7F7F7F7F], [0x81818181, 0x01FF01FF]
+    regs = {"$1": w, "$2": xe, "$3": xo}
+    for line in _asm_of(gemv_gptq_a8._dot8.fn).splitlines():
+        line = line.strip().rstrip(";")
+        if m := re.fullmatch(r"and\.b32 (\w+), (\$?\w+), (0x[0-9A-Fa-f]+)", line):
+            regs[m.group(1)] = regs[m.group(2)] & np.uint32(int(m.group(3), 16))
+        elif m := re.fullmatch(r"shr\.u32 (\w+), (\$?\w+), (\d+)", line):
+            regs[m.group(1)] = regs[m.group(2)] >> np.uint32(int(m.group(3)))
+        elif m := re.fullmatch(r"dp4a\.u32\.s32 (\$?\w+), (\w+), (\$\d), (\w+)", line):
+            c = np.zeros(w.shape, np.int64) if m.group(4) == "0" else regs[m.group(4)]
+            regs[m.group(1)] = _dp4a(regs[m.group(2)], regs[m.group(3)], c)
+        elif line and not line.startswith((".reg", "{", "}")):
+            raise AssertionError(f"instruction the emulation does not know: {line}")
+    want = np.zeros(w.shape, np.int64)
+    for i in range(8):
+        q = ((w >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)
+        x = xe if i % 2 == 0 else xo
+        want += q * ((x >> np.uint32(8 * (i // 2))) & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.int64)
+    assert np.array_equal(regs["$0"], want)

@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
-from polyfuse.backends.triton import quant_gemv
+from polyfuse.backends.triton import gemv_gptq_a8, quant_gemv
 from polyfuse.backends.triton._util import rows
+from polyfuse.backends.triton.act_int8 import norm_quantize_row
 from polyfuse.backends.triton.rms_norm import rms_norm_forward
 
 
@@ -38,9 +39,20 @@ def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) 
     )
 
 
+def _one_dtype(x, residual, weight) -> bool:
+    """The fused norm + int8 quantization takes x, the residual and the norm weight of one dtype (the norm's output
+    dtype is then x's), the weight one dense row."""
+    same = weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    return same and weight.dim() == 1 and weight.stride(0) == 1
+
+
 def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
     """(linear_q(norm(x + residual)), x + residual), or with no residual (linear_q(rms_norm(x)), x)."""
     h = x.shape[-1]
+    if gemv_gptq_a8.accepts(x, qweight) and _one_dtype(x, residual, weight):  # W4A8: the norm kernel quantizes
+        xw, dx, rs, r = norm_quantize_row(rows(x, h), None if residual is None else rows(residual, h), weight, eps)
+        out = gemv_gptq_a8.gemv_gptq_a8((xw, dx, rs), qweight, x.dtype, bias).view(*x.shape[:-1], qweight.shape[0])
+        return out, (x if residual is None else r.view(x.shape))
     y, _, r = rms_norm_forward(rows(x, h), weight, eps, None if residual is None else rows(residual, h), early=True)
     out = quant_gemv.linear_q(y.view(x.shape), qweight, bias)
     return out, (x if residual is None else r.view(x.shape))

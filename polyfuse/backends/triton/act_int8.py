@@ -1,0 +1,127 @@
+"""One row of activations quantized to int8 in blocks of 8 (polyfuse/ops/act_int8.py has the arithmetic), in the
+layout the W4A8 GEMV (gemv_gptq_a8.py) reads: for block r (values 8r .. 8r + 7) XW[2r] holds the bytes of values
+8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and the odd nibbles of
+an int4 word, lined up for two integer dot products), DX[r] the block's scale d and RS[r] = d * sum q (the block's
+dequantized sum, for the weights' zero points).
+
+Three producers write it, each as its own kernel so the GEMV after it can launch first (_pdl.launch_then_wait) and
+load weights while it runs: the layer's norm (add + RMSNorm, as rms_norm.py computes it, the sum written as the next
+residual), SwiGLU (as swiglu.py computes it) and a plain row (the attention's output, the final norm's).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options
+from polyfuse.backends.triton._rounding import PTX, cast_rne
+from polyfuse.ops.act_int8 import BLOCK as QBLOCK
+from polyfuse.ops.act_int8 import TINY
+
+
+_TINY = tl.constexpr(TINY)
+
+
+@triton.jit
+def _mul_rn(a, b, ASM: tl.constexpr):
+    """a * b rounded to float32 (an explicit ``mul.rn``, which neither LLVM nor ptxas contracts into an FMA with the
+    subtraction after it: the FMA's unrounded product made a few values round the other way on an H200)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def store_int8_blocks(v, r0, R, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """float32 values v [BLOCK] of blocks r0 .. r0 + BLOCK / 8 - 1 (zeros past the row's R blocks) -> XW, DX, RS."""
+    v2 = tl.reshape(v, [BLOCK // 8, 8])
+    amax = tl.max(tl.abs(v2), axis=1)
+    live = amax >= _TINY
+    safe = tl.where(live, amax, 1.0)
+    inv = tl.where(live, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), safe), 0.0)
+    y = _mul_rn(v2, inv[:, None], ASM)  # rounded before the floor: no FMA may fold it into y - f
+    f = tl.floor(y)  # round half to even without rint (which the interpreter lacks): exact in float32 here
+    frac = y - f
+    up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
+    q = tl.minimum(tl.maximum(f + tl.where(up, 1.0, 0.0), -127.0), 127.0).to(tl.int32)
+    d = tl.where(live, tl.math.div_rn(safe, tl.full(amax.shape, 127.0, tl.float32)), 0.0)
+    r = r0 + tl.arange(0, BLOCK // 8)
+    tl.store(DX + r, d, mask=r < R)
+    tl.store(RS + r, d * tl.sum(q, axis=1).to(tl.float32), mask=r < R)
+    even, odd = tl.split(tl.reshape(q, [BLOCK // 8, 4, 2]))
+    shift = 8 * tl.arange(0, 4)[None, :]
+    words = tl.join(tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1))
+    w = 2 * r0 + tl.arange(0, BLOCK // 4)
+    tl.store(XW + w, tl.reshape(words, [BLOCK // 4]), mask=w < 2 * R)
+
+
+@triton.jit
+def _quantize_kernel(
+    X, U, XW, DX, RS, K, SWIGLU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr
+):
+    launch_then_wait(PDL)
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+    if SWIGLU:  # silu(gate) * up rounded once to the row's dtype, as swiglu.py stores it
+        u = tl.load(U + k, mask=k < K, other=0.0).to(tl.float32)
+        v = cast_rne(v * tl.sigmoid(v) * u, X.dtype.element_ty).to(tl.float32)
+    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 8), K // 8, XW, DX, RS, BLOCK, ASM)
+
+
+@triton.jit
+def _norm_quantize_kernel(
+    X, RES, R, W, XW, DX, RS, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr
+):
+    launch_then_wait(PDL)
+    k = tl.arange(0, BLOCK)
+    mask = k < H
+    x = tl.load(X + k, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # the sum rounded to its dtype before the statistics, as rms_norm.py
+        r = cast_rne(x + tl.load(RES + k, mask=mask, other=0.0).to(tl.float32), R.dtype.element_ty)
+        tl.store(R + k, r, mask=mask)
+        x = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    xn = cast_rne(x * rstd, X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
+    store_int8_blocks(cast_rne(w * xn, X.dtype.element_ty).to(tl.float32), 0, H // 8, XW, DX, RS, BLOCK, ASM)
+
+
+CHUNK = 1024  # values per program of the plain / SwiGLU kernel
+
+
+def _outputs(k: int, device):
+    if k % QBLOCK:
+        raise ValueError(f"int8 activations: K={k} is not a multiple of {QBLOCK}")
+    xw = torch.empty(k // 4, dtype=torch.int32, device=device)
+    dx = torch.empty(k // QBLOCK, dtype=torch.float32, device=device)
+    return xw, dx, torch.empty_like(dx)
+
+
+def quantize_row(x: torch.Tensor, up=None):
+    """x [K] or [1, K] (dense; the gate with ``up`` for SwiGLU) -> (xw int32 [K / 4], dx, rs float32 [K / 8])."""
+    k = x.shape[-1]
+    xw, dx, rs = _outputs(k, x.device)
+    block = min(CHUNK, triton.next_power_of_2(k))
+    _quantize_kernel[(triton.cdiv(k, block),)](
+        x, up if up is not None else x, xw, dx, rs, k, SWIGLU=up is not None, BLOCK=block, ASM=PTX, num_warps=4,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    return xw, dx, rs
+
+
+def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+    """add + RMSNorm of one dense row x [H] (residual: [H] or None; weight of x's dtype), quantized ->
+    (xw, dx, rs, x + residual in x's dtype, or x itself without a residual)."""
+    h = x.shape[-1]
+    xw, dx, rs = _outputs(h, x.device)
+    r = torch.empty_like(x) if residual is not None else x
+    block = triton.next_power_of_2(h)
+    _norm_quantize_kernel[(1,)](
+        x, residual if residual is not None else x, r, weight, xw, dx, rs, h, float(eps),
+        HAS_RES=residual is not None, BLOCK=block, ASM=PTX, num_warps=4 if block <= 1024 else 8,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    return xw, dx, rs, r

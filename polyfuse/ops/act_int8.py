@@ -1,0 +1,37 @@
+"""int8 activations in blocks of 8 values: the torch reference of what the W4A8 one-row GEMV computes.
+
+``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
+integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
+dtype) is cut into blocks of 8 consecutive values; a block's scale is d = amax / 127 (amax = max |x| over the block,
+in float32, IEEE divisions) and its values q = round-half-even(x * (127 / amax)), in -127..127; a block whose amax is
+below 2^-100 (zeros, subnormals) is all zeros with d = 0. The product is then dequantize(w) @ (q d), exact in the
+integers, with one float32 rounding per block of 8 weights and column. Not weight-only: each activation is moved by at
+most half a step, amax / 254 of its block, against about 1/16 of a group's range for every int4 weight.
+"""
+
+import torch
+
+
+BLOCK = 8
+TINY = 2.0**-100  # blocks with amax below this quantize to zeros
+
+
+def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 8) -> (q int8 [..., K], d float32 [..., K / 8])."""
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"quantize_act_int8: K={k} is not a multiple of {BLOCK}")
+    v = x.float().reshape(*x.shape[:-1], k // BLOCK, BLOCK)
+    amax = v.abs().amax(dim=-1)
+    live = amax >= TINY
+    safe = torch.where(live, amax, torch.ones_like(amax))
+    inv = torch.where(live, torch.full_like(amax, 127.0) / safe, torch.zeros_like(amax))  # tensor / tensor: IEEE
+    q = torch.round(v * inv[..., None]).clamp(-127, 127)  # torch.round: half to even
+    d = torch.where(live, safe / torch.full_like(amax, 127.0), torch.zeros_like(amax))
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def dequantize_act_int8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The float32 activations q d that the W4A8 GEMV multiplies."""
+    k = q.shape[-1]
+    return (q.float().reshape(*q.shape[:-1], k // BLOCK, BLOCK) * d[..., None]).reshape(q.shape)
