@@ -114,6 +114,13 @@ class StepTimer:
         return 1e3 * statistics.median(d)
 
 
+def quant_label(args) -> str:
+    """The rows' ``quant``: the format, +lm_head, +a8 where int4's one-row GEMV runs on int8 activations
+    (POLYFUSE_INT4_A8=1)."""
+    a8 = args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
+    return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
+
+
 def bench_polyfuse(model, batch, prompt_len, new_tokens, device):
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=device)
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
@@ -337,7 +344,7 @@ def main():
                 kv = model.cache.nbytes() if model.cache is not None else 0
                 row = decode_row("polyfuse", shape, bs, ms, warm, peak)
                 if args.quant:
-                    row["quant"] = args.quant + ("+lm_head" if args.quant_lm_head else "")
+                    row["quant"] = quant_label(args)
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:
@@ -548,7 +555,7 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                 if extra:
                     row["variant"] = extra
                 if args.quant:
-                    row["quant"] = args.quant + ("+lm_head" if args.quant_lm_head else "")
+                    row["quant"] = quant_label(args)
                 log(row, out)
         del model
         if cuda:

@@ -1,4 +1,4 @@
-"""The opt-in W4A8 one-row int4 GEMV (POLYFUSE_INT4_A8=1): int8 activations in blocks of 8 (polyfuse/ops/act_int8.py)
+"""The opt-in W4A8 one-row int4 GEMV (POLYFUSE_INT4_A8=1): int8 activations in blocks of 32 (polyfuse/ops/act_int8.py)
 written by three kernels (backends/triton/act_int8.py: a plain row, SwiGLU, add + RMSNorm), and the GEMV on integer
 dot products (backends/triton/gemv_gptq_a8.py). The quantized bytes are compared with the torch reference bit for
 bit, the GEMV with the float64 product of the dequantized weight and the dequantized activations, and a tiny int4
@@ -27,7 +27,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 def words_of(q: torch.Tensor) -> torch.Tensor:
-    """The reference layout: per block of 8, the even values' bytes then the odd ones', low byte first (int64)."""
+    """The reference layout: per 8 values, the even values' bytes then the odd ones', low byte first (int64)."""
     b = q.reshape(-1, 4, 2).to(torch.int64) & 0xFF
     shift = torch.tensor([0, 8, 16, 24], device=q.device)
     return torch.stack([(b[:, :, 0] << shift).sum(1), (b[:, :, 1] << shift).sum(1)], 1).reshape(-1)
@@ -39,21 +39,24 @@ def assert_quantized_as(xq, x):
     q, d = quantize_act_int8(x.reshape(-1))
     assert torch.equal(xw.to(torch.int64) & 0xFFFFFFFF, words_of(q))
     assert torch.equal(dx, d)
-    assert torch.equal(rs, d * q.reshape(-1, 8).float().sum(1))
+    assert torch.equal(rs, d * q.reshape(-1, 32).float().sum(1))
 
 
 def test_reference_quantization_by_hand():
     """Scale amax / 127, values rounded half to even, zero and subnormal blocks all zeros with d = 0."""
-    x = torch.tensor([127.0, -63.5, 0.5, 1.5, 2.5, -127.0, 0.0, 64.5] + [0.0] * 8 + [1e-40] * 8)
+    x = torch.zeros(96)
+    x[:8] = torch.tensor([127.0, -63.5, 0.5, 1.5, 2.5, -127.0, 0.0, 64.5])
+    x[64:] = 1e-40
     q, d = quantize_act_int8(x)
     assert q[:8].tolist() == [127, -64, 0, 2, 2, -127, 0, 64]  # -63.5 -> -64, 0.5 -> 0, 2.5 -> 2, 64.5 -> 64
     assert d.tolist() == [1.0, 0.0, 0.0] and not q[8:].any()
-    y = torch.tensor([3.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    y = torch.zeros(32)
+    y[0], y[31] = 3.0, -1.0
     q, d = quantize_act_int8(y)
-    assert q.tolist() == [127, -42, 0, 0, 0, 0, 0, 0] and d.item() == pytest.approx(3 / 127, rel=1e-7)
-    assert dequantize_act_int8(q, d)[1].item() == pytest.approx(-42 * 3 / 127, rel=1e-6)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        quantize_act_int8(torch.ones(12))
+    assert q[0] == 127 and q[31] == -42 and not q[1:31].any() and d.item() == pytest.approx(3 / 127, rel=1e-7)
+    assert dequantize_act_int8(q, d)[31].item() == pytest.approx(-42 * 3 / 127, rel=1e-6)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_act_int8(torch.ones(48))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -66,11 +69,11 @@ def test_activation_kernels_write_the_reference_bytes(device, dtype):
     from polyfuse.backends.triton.swiglu import swiglu_forward
 
     gen = torch.Generator().manual_seed(1)
-    for k in (24, 2056):
+    for k in (32, 2080):
         x = (torch.randn(1, k, generator=gen) * 3).to(dtype)
-        x[0, :8] = 0.0
-        x[0, 8:16] = 1e-41 if dtype == torch.float32 else 0.0
-        x[0, 20] = 300.0
+        x[0, :32] = 0.0
+        x[0, 32:64] = 1e-41 if dtype == torch.float32 else 0.0
+        x[0, -5] = 300.0
         x = x.to(device)
         assert_quantized_as(quantize_row(x), x)
         g, u = ((torch.randn(1, k, generator=gen) * 2).to(dtype).to(device) for _ in range(2))
@@ -94,14 +97,14 @@ def reference(x, qw, bias=None):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_against_the_reference(device):
     """Group sizes 32 / 64 / 128 / all of K, K split 1 to 5 ways (partial groups in a split), N not a multiple of
-    the column block, bias, tiles of 1..8 words along K, weights loaded before the PDL wait or not (the same bits):
+    the column block, bias, tiles of 1..2 blocks of 32 along K, weights loaded before the PDL wait or not (the same bits):
     within 1e-5 of the largest output of the float64 reference (the integer dot products are exact; the zero-point
     term cancels a few bits of float32, as in gemv_gptq.py). A zero point off by one moves it 100x past that."""
     from polyfuse.backends.triton import _qgemv
 
     gen = torch.Generator().manual_seed(2)
-    for n, k, g, tiles in ((40, 1032, 128, (16, 64, 1, 2)), (72, 512, 64, (32, 32, 2, 2)), (16, 384, 32, None),
-                           (24, 264, 264, (8, 8, 1, 1))):  # fmt: skip
+    for n, k, g, tiles in ((40, 1056, 128, (16, 64, 1, 2)), (72, 512, 64, (32, 32, 2, 2)), (16, 384, 32, None),
+                           (24, 288, 288, (8, 8, 1, 1))):  # fmt: skip
         qw = dataclasses.replace(qf.quantize("int4", torch.randn(n, k, generator=gen) * 0.05, group_size=g))
         qw = dataclasses.replace(
             qw, **{f: getattr(qw, f).to(device) for f in ("qweight", "qzeros", "scales", "g_idx")}
@@ -130,8 +133,8 @@ def test_gemv_against_the_reference(device):
 
 def test_accepts_and_the_dispatch(monkeypatch):
     """Off by default; with it on, one-row int4 linear_q / swiglu_linear_q / add_rms_norm_linear_q (the gemv_q
-    implementations) go through the W4A8 kernel and give its numbers; act-order, no group and K not a multiple of 8
-    are declined to the bf16-activation GEMV."""
+    implementations) go through the W4A8 kernel and give its numbers; act-order, no group, groups or K not a multiple
+    of 32 are declined to the bf16-activation GEMV."""
     from polyfuse.backends.triton import norm_gemv, quant_gemv
 
     qw = quantized("int4", 48, 256, "cpu")
@@ -142,6 +145,9 @@ def test_accepts_and_the_dispatch(monkeypatch):
     assert a8.accepts(x, qw) and a8.accepts(x.bfloat16(), qw)
     assert not a8.accepts(x, act_order(qw))
     assert not a8.accepts(x, dataclasses.replace(qw, group_size=0))
+    assert not a8.accepts(x, dataclasses.replace(qw, group_size=16))  # a group must hold whole blocks of 32
+    assert a8.accepts(x, dataclasses.replace(qw, group_size=256))  # one group over K
+    assert not a8.accepts(torch.randn(1, 264), quantized("int4", 48, 264, "cpu"))  # K not a multiple of 32
     assert not a8.accepts(x, quantized("int8", 48, 256, "cpu"))
     calls = []
     real = a8.gemv_gptq_a8

@@ -200,30 +200,38 @@ def _dp4a(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return out
 
 
-def test_int4_a8_dot_gives_the_interpreter_branch_numbers():
-    """gemv_gptq_a8's PTX (masks, a shift, two dp4a) emulated line by line on random words and activation bytes:
-    the same int32 as its interpreter branch, which is sum_i q_i x_i (q_i nibble i, x_i the int8 activations, even
-    ones in xe and odd ones in xo)."""
+def test_int4_a8_dot_gives_sixteen_times_the_block_dot_product():
+    """gemv_gptq_a8's PTX for a block of 32 (per word two in-place masks and two dp4a chains, then one
+    multiply-add) emulated line by line on random words and activation bytes: 16 sum_i q_i x_i over the block's 32
+    weights (q_i nibble i % 8 of word i // 8; x_i the int8 activations, even ones in xe and odd ones in xo), the
+    number its interpreter branch computes."""
     from polyfuse.backends.triton import gemv_gptq_a8
 
     rng = np.random.default_rng(3)
-    w, xe, xo = (rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(3))
-    w[:2], xe[:2], xo[:2] = [0, 0xFFFFFFFF], [0x80808080, 0x7F7F7F7F], [0x81818181, 0x01FF01FF]
-    regs = {"$1": w, "$2": xe, "$3": xo}
-    for line in _asm_of(gemv_gptq_a8._dot8.fn).splitlines():
+    words = [rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(12)]
+    for j in range(12):  # extremes: weights all 15 / all 0, activation bytes all -128 / all 127
+        words[j][:2] = [0xFFFFFFFF, 0] if j < 4 else [0x80808080, 0x7F7F7F7F]
+    regs = {f"${j + 1}": w for j, w in enumerate(words)}
+    zero = np.zeros(4096, np.int64)
+    for line in gemv_gptq_a8._DOT32.value.splitlines():
         line = line.strip().rstrip(";")
-        if m := re.fullmatch(r"and\.b32 (\w+), (\$?\w+), (0x[0-9A-Fa-f]+)", line):
+        if m := re.fullmatch(r"and\.b32 (\w+), (\$\d+), (0x[0-9A-Fa-f]+)", line):
             regs[m.group(1)] = regs[m.group(2)] & np.uint32(int(m.group(3), 16))
-        elif m := re.fullmatch(r"shr\.u32 (\w+), (\$?\w+), (\d+)", line):
-            regs[m.group(1)] = regs[m.group(2)] >> np.uint32(int(m.group(3)))
-        elif m := re.fullmatch(r"dp4a\.u32\.s32 (\$?\w+), (\w+), (\$\d), (\w+)", line):
-            c = np.zeros(w.shape, np.int64) if m.group(4) == "0" else regs[m.group(4)]
-            regs[m.group(1)] = _dp4a(regs[m.group(2)], regs[m.group(3)], c)
+        elif m := re.fullmatch(r"dp4a\.u32\.s32 (\w+), (\w+), (\$\d+), (\w+)", line):
+            regs[m.group(1)] = _dp4a(
+                regs[m.group(2)], regs[m.group(3)], zero if m.group(4) == "0" else regs[m.group(4)]
+            )
+        elif m := re.fullmatch(r"mad\.lo\.s32 \$0, (\w+), 16, (\w+)", line):
+            regs["$0"] = regs[m.group(1)] * 16 + regs[m.group(2)]
         elif line and not line.startswith((".reg", "{", "}")):
             raise AssertionError(f"instruction the emulation does not know: {line}")
-    want = np.zeros(w.shape, np.int64)
-    for i in range(8):
-        q = ((w >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)
-        x = xe if i % 2 == 0 else xo
-        want += q * ((x >> np.uint32(8 * (i // 2))) & np.uint32(0xFF)).astype(np.uint8).view(np.int8).astype(np.int64)
-    assert np.array_equal(regs["$0"], want)
+    want = np.zeros(4096, np.int64)
+    for j in range(4):
+        w, xe, xo = words[j], words[4 + j], words[8 + j]
+        for i in range(8):
+            q = ((w >> np.uint32(4 * i)) & np.uint32(15)).astype(np.int64)
+            x = xe if i % 2 == 0 else xo
+            byte = ((x >> np.uint32(8 * (i // 2))) & np.uint32(0xFF)).astype(np.uint8).view(np.int8)
+            want += q * byte.astype(np.int64)
+    assert np.array_equal(regs["$0"], 16 * want)
+    assert np.abs(16 * want).max() < 2**31  # the int32 result cannot overflow

@@ -1,23 +1,28 @@
-"""int8 activations in blocks of 8 values: the torch reference of what the W4A8 one-row GEMV computes.
+"""int8 activations in blocks of 32 values: the torch reference of what the W4A8 one-row GEMV computes.
 
 ``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
 integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
-dtype) is cut into blocks of 8 consecutive values; a block's scale is d = amax / 127 (amax = max |x| over the block,
+dtype) is cut into blocks of 32 consecutive values (llama.cpp's q8_1 block); a block's scale is d = amax / 127 (amax = max |x| over the block,
 in float32, IEEE divisions) and its values q = round-half-even(x * (127 / amax)), in -127..127; a block whose amax is
 below 2^-100 (zeros, subnormals) is all zeros with d = 0. The product is then dequantize(w) @ (q d), exact in the
-integers, with one float32 rounding per block of 8 weights and column. Not weight-only: each activation is moved by at
+integers, with one float32 rounding per block of 32 weights and column. Not weight-only: each activation is moved by at
 most half a step, amax / 254 of its block, against about 1/16 of a group's range for every int4 weight.
 """
+
+import os
 
 import torch
 
 
-BLOCK = 8
+# The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
+# and tests may change; the backend report reads this one).
+REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
+BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
 
 
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] (K a multiple of 8) -> (q int8 [..., K], d float32 [..., K / 8])."""
+    """x [..., K] (K a multiple of 32) -> (q int8 [..., K], d float32 [..., K / 32])."""
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"quantize_act_int8: K={k} is not a multiple of {BLOCK}")

@@ -1,8 +1,8 @@
-"""One row of activations quantized to int8 in blocks of 8 (polyfuse/ops/act_int8.py has the arithmetic), in the
-layout the W4A8 GEMV (gemv_gptq_a8.py) reads: for block r (values 8r .. 8r + 7) XW[2r] holds the bytes of values
+"""One row of activations quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py has the arithmetic), in the
+layout the W4A8 GEMV (gemv_gptq_a8.py) reads: for word row r (values 8r .. 8r + 7) XW[2r] holds the bytes of values
 8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and the odd nibbles of
-an int4 word, lined up for two integer dot products), DX[r] the block's scale d and RS[r] = d * sum q (the block's
-dequantized sum, for the weights' zero points).
+an int4 word, lined up for two integer dot products); for block b (values 32b .. 32b + 31) DX[b] holds the scale d and
+RS[b] = d * sum q (the block's dequantized sum, for the weights' zero points).
 
 Three producers write it, each as its own kernel so the GEMV after it can launch first (_pdl.launch_then_wait) and
 load weights while it runs: the layer's norm (add + RMSNorm, as rms_norm.py computes it, the sum written as the next
@@ -35,9 +35,9 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def store_int8_blocks(v, r0, R, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    """float32 values v [BLOCK] of blocks r0 .. r0 + BLOCK / 8 - 1 (zeros past the row's R blocks) -> XW, DX, RS."""
-    v2 = tl.reshape(v, [BLOCK // 8, 8])
+def store_int8_blocks(v, b0, NB, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    """float32 values v [BLOCK] of blocks b0 .. b0 + BLOCK / 32 - 1 (zeros past the row's NB blocks) -> XW, DX, RS."""
+    v2 = tl.reshape(v, [BLOCK // 32, 32])
     amax = tl.max(tl.abs(v2), axis=1)
     live = amax >= _TINY
     safe = tl.where(live, amax, 1.0)
@@ -48,14 +48,14 @@ def store_int8_blocks(v, r0, R, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constex
     up = (frac > 0.5) | ((frac == 0.5) & ((f.to(tl.int32) & 1) == 1))
     q = tl.minimum(tl.maximum(f + tl.where(up, 1.0, 0.0), -127.0), 127.0).to(tl.int32)
     d = tl.where(live, tl.math.div_rn(safe, tl.full(amax.shape, 127.0, tl.float32)), 0.0)
-    r = r0 + tl.arange(0, BLOCK // 8)
-    tl.store(DX + r, d, mask=r < R)
-    tl.store(RS + r, d * tl.sum(q, axis=1).to(tl.float32), mask=r < R)
+    b = b0 + tl.arange(0, BLOCK // 32)
+    tl.store(DX + b, d, mask=b < NB)
+    tl.store(RS + b, d * tl.sum(q, axis=1).to(tl.float32), mask=b < NB)
     even, odd = tl.split(tl.reshape(q, [BLOCK // 8, 4, 2]))
     shift = 8 * tl.arange(0, 4)[None, :]
     words = tl.join(tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1))
-    w = 2 * r0 + tl.arange(0, BLOCK // 4)
-    tl.store(XW + w, tl.reshape(words, [BLOCK // 4]), mask=w < 2 * R)
+    w = 8 * b0 + tl.arange(0, BLOCK // 4)
+    tl.store(XW + w, tl.reshape(words, [BLOCK // 4]), mask=w < 8 * NB)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _quantize_kernel(
     if SWIGLU:  # silu(gate) * up rounded once to the row's dtype, as swiglu.py stores it
         u = tl.load(U + k, mask=k < K, other=0.0).to(tl.float32)
         v = cast_rne(v * tl.sigmoid(v) * u, X.dtype.element_ty).to(tl.float32)
-    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 8), K // 8, XW, DX, RS, BLOCK, ASM)
+    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 32), K // 32, XW, DX, RS, BLOCK, ASM)
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _norm_quantize_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     xn = cast_rne(x * rstd, X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
-    store_int8_blocks(cast_rne(w * xn, X.dtype.element_ty).to(tl.float32), 0, H // 8, XW, DX, RS, BLOCK, ASM)
+    store_int8_blocks(cast_rne(w * xn, X.dtype.element_ty).to(tl.float32), 0, H // 32, XW, DX, RS, BLOCK, ASM)
 
 
 CHUNK = 1024  # values per program of the plain / SwiGLU kernel
@@ -101,7 +101,7 @@ def _outputs(k: int, device):
 
 
 def quantize_row(x: torch.Tensor, up=None):
-    """x [K] or [1, K] (dense; the gate with ``up`` for SwiGLU) -> (xw int32 [K / 4], dx, rs float32 [K / 8])."""
+    """x [K] or [1, K] (dense; the gate with ``up`` for SwiGLU) -> (xw int32 [K / 4], dx, rs float32 [K / 32])."""
     k = x.shape[-1]
     xw, dx, rs = _outputs(k, x.device)
     block = min(CHUNK, triton.next_power_of_2(k))

@@ -1,21 +1,21 @@
 """One-row GEMV on int4 weights in AutoGPTQ's layout times int8 activations (W4A8), on integer dot products.
 
 Opt-in (``POLYFUSE_INT4_A8=1``, read at import; a module attribute, so benchmarks can switch it): the activations are
-quantized to int8 in blocks of 8 (polyfuse/ops/act_int8.py: the arithmetic and what it costs; act_int8.py here: the
+quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py: the arithmetic and what it costs; act_int8.py here: the
 kernels that write them, fused into the norm or SwiGLU before the projection), as llama.cpp's GPU kernels do for its
 4-bit types. The one-row int4 GEMV with bf16 activations (gemv_gptq.py) spends about four instructions per weight (a
-byte permute and an FMA, the activation loads); here a word of 8 weights costs two masks, a shift and two ``dp4a``
-(the even nibbles against the bytes of x_0, x_2, x_4, x_6, the odd ones against x_1, .., x_7: exact int32), then one
-conversion and two float multiplies for the block's scale d and the column's scale s: about one instruction per
-weight.
+byte permute and an FMA, the activation loads); here a block of 32 weights (four words) costs eight masks and eight
+``dp4a`` (each word's even nibbles, masked in place, against the bytes of x_0, x_2, x_4, x_6; its odd ones, masked
+in place as 16 q, against x_1, .., x_7; two int32 chains over the block), one multiply-add joining the chains, then
+one conversion and two float multiplies for the block's scale d and the column's scale s: about 0.6 instructions
+per weight in the loop.
 
-A group's s (sum q x' - z sum x') with x' = q_x d: the tile's [BLOCK_K8, BLOCK_N] float32 accumulator takes
-s d (sum q q_x) per word row; the zero term once per group and column after the loop, from the blocks' d sum q_x (RS).
-Tiles lie in one group (8 BLOCK_K8 divides the group size); act-order checkpoints are declined (gemv_gptq.py takes
-them). Split-K, the early weight tiles and the PDL wait as in gemv_gptq.py.
+A group's s (sum q x' - z sum x') with x' = q_x d: the tile's [BLOCK_K8 / 4, BLOCK_N] float32 accumulator takes
+s d (sum q q_x) per block and column; the zero term once per group and column after the loop, from the blocks'
+d sum q_x (RS). Tiles hold whole blocks and lie in one group (8 BLOCK_K8 divides the group size); act-order
+checkpoints are declined (gemv_gptq.py takes them). Split-K, the early weight tiles and the PDL wait as in
+gemv_gptq.py.
 """
-
-import os
 
 import torch
 import triton
@@ -34,55 +34,87 @@ from polyfuse.backends.triton._qgemv import (
     weight_tile,
 )
 from polyfuse.backends.triton._rounding import PTX
+from polyfuse.ops.act_int8 import REQUESTED
 
 
-ENABLED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
+ENABLED = REQUESTED
+
+
+def _dot32_asm() -> str:
+    """PTX for a block of 32 weights and activations (four words w_j = $1..$4, activation words xe_j = $5..$8 and
+    xo_j = $9..$12): the even nibbles masked in place (w & 0x0F0F0F0F) into one dp4a chain, the odd ones masked in
+    place (w & 0xF0F0F0F0: 16 q) into another; $0 = 16 * even + odd = 16 * sum q x, exact in int32."""
+    lines = ["{", ".reg .b32 l, h, a, b;"]
+    for j in range(4):
+        acc_a, acc_b = ("0", "0") if j == 0 else ("a", "b")
+        lines += [
+            f"and.b32 l, ${1 + j}, 0x0F0F0F0F;",
+            f"and.b32 h, ${1 + j}, 0xF0F0F0F0;",
+            f"dp4a.u32.s32 a, l, ${5 + j}, {acc_a};",
+            f"dp4a.u32.s32 b, h, ${9 + j}, {acc_b};",
+        ]
+    return "\n".join(lines + ["mad.lo.s32 $0, a, 16, b;", "}"])
+
+
+_DOT32 = tl.constexpr(_dot32_asm())
 
 
 @triton.jit
-def _dot8(words, xe, xo, ASM: tl.constexpr):
-    """Per int32 word of 8 nibbles q_i (weight 8 k8 + i in bits 4i .. 4i + 3): sum_i q_i x_i with the int8 x_i in
-    xe (x_0, x_2, x_4, x_6, low byte first) and xo (x_1, x_3, x_5, x_7); exact int32. ASM: two dp4a; else the same
-    integers in Triton arithmetic (the CPU interpreter)."""
+def _dot_word(w, xe, xo):
+    """sum_i q_i x_i of one word in Triton arithmetic (the interpreter): q_i nibble i of w, x_i byte i // 2 of xe (i
+    even) or xo (odd), signed."""
+    acc = tl.zeros_like(w)
+    for j in tl.static_range(4):
+        acc += ((w >> (8 * j)) & 15) * ((xe << (24 - 8 * j)) >> 24)
+        acc += ((w >> (8 * j + 4)) & 15) * ((xo << (24 - 8 * j)) >> 24)
+    return acc
+
+
+@triton.jit
+def _dot32(w0, w1, w2, w3, e0, e1, e2, e3, o0, o1, o2, o3, ASM: tl.constexpr):
+    """16 * sum q x over a block of 32 weights (words w0..w3, consecutive along K) and their int8 activations
+    (xe / xo words e_j, o_j of word j); exact int32. ASM: 8 masks and 8 dp4a; else _dot_word four times."""
     if ASM:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 lo, hi, t;
-            and.b32 lo, $1, 0x0F0F0F0F;
-            shr.u32 hi, $1, 4;
-            and.b32 hi, hi, 0x0F0F0F0F;
-            dp4a.u32.s32 t, lo, $2, 0;
-            dp4a.u32.s32 $0, hi, $3, t;
-            }""",
-            constraints="=r,r,r,r",
-            args=[words, xe, xo],
-            dtype=tl.int32,
-            is_pure=True,
-            pack=1,
-        )
+            asm=_DOT32, constraints="=r" + ",r" * 12, args=[w0, w1, w2, w3, e0, e1, e2, e3, o0, o1, o2, o3],
+            dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
     else:
-        acc = tl.zeros_like(words)
-        for j in tl.static_range(4):
-            acc += ((words >> (8 * j)) & 15) * ((xe << (24 - 8 * j)) >> 24)
-            acc += ((words >> (8 * j + 4)) & 15) * ((xo << (24 - 8 * j)) >> 24)
-        return acc
+        return 16 * (_dot_word(w0, e0, o0) + _dot_word(w1, e1, o1) + _dot_word(w2, e2, o2) + _dot_word(w3, e3, o3))
 
 
 @triton.jit
-def _words(QW, k8, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
-    """The packed words of rows k8 (those < k8_end) and columns n; EARLY: loaded before the PDL wait, past L1."""
-    return weight_tile(QW + k8[:, None] * sq_k + n[None, :], (k8 < k8_end)[:, None] & n_mask[None, :], 0, EARLY)
+def _words(QW, r, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
+    """The packed words of rows r (those < k8_end) and columns n; EARLY: loaded before the PDL wait, past L1."""
+    return weight_tile(QW + r[:, None] * sq_k + n[None, :], (r < k8_end)[:, None] & n_mask[None, :], 0, EARLY)
 
 
 @triton.jit
-def _tile_sum(words, XW, DX, S, k80, k8, k_mask, n, s_mask, G_SIZE, ss_g, ASM: tl.constexpr):
-    """One [BLOCK_K8, BLOCK_N] tile of words starting at word row k80 (inside one group): s d (sum q q_x) per word
-    row and column (s_mask: the columns whose scale is read)."""
+def _block_words(QW, r, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
+    """The four word rows r, r + 1, r + 2, r + 3 of each block (r: the blocks' first rows)."""
+    w0 = _words(QW, r, k8_end, n, n_mask, sq_k, EARLY)
+    w1 = _words(QW, r + 1, k8_end, n, n_mask, sq_k, EARLY)
+    w2 = _words(QW, r + 2, k8_end, n, n_mask, sq_k, EARLY)
+    w3 = _words(QW, r + 3, k8_end, n, n_mask, sq_k, EARLY)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _tile_sum(w0, w1, w2, w3, XW, DX, S, k80, r, k8_end, n, s_mask, G_SIZE, ss_g, ASM: tl.constexpr):
+    """One tile of blocks (first word rows r, from k80, inside one group): s d (sum q q_x) per block and column
+    (s_mask: the columns whose scale is read)."""
     s = tl.load(S + ((k80 * 8) // G_SIZE) * ss_g + n, mask=s_mask, other=0.0).to(tl.float32)
-    xe = tl.load(XW + 2 * k8, mask=k_mask, other=0)
-    xo = tl.load(XW + 2 * k8 + 1, mask=k_mask, other=0)
-    d = tl.load(DX + k8, mask=k_mask, other=0.0)
-    dot = _dot8(words, xe[:, None], xo[:, None], ASM)
+    m = r < k8_end
+    e0 = tl.load(XW + 2 * r, mask=m, other=0)[:, None]
+    o0 = tl.load(XW + 2 * r + 1, mask=m, other=0)[:, None]
+    e1 = tl.load(XW + 2 * r + 2, mask=m, other=0)[:, None]
+    o1 = tl.load(XW + 2 * r + 3, mask=m, other=0)[:, None]
+    e2 = tl.load(XW + 2 * r + 4, mask=m, other=0)[:, None]
+    o2 = tl.load(XW + 2 * r + 5, mask=m, other=0)[:, None]
+    e3 = tl.load(XW + 2 * r + 6, mask=m, other=0)[:, None]
+    o3 = tl.load(XW + 2 * r + 7, mask=m, other=0)[:, None]
+    d = tl.load(DX + r // 4, mask=m, other=0.0) * 0.0625  # the dot is 16 sum q q_x
+    dot = _dot32(w0, w1, w2, w3, e0, e1, e2, e3, o0, o1, o2, o3, ASM)
     return (dot.to(tl.float32) * d[:, None]) * s[None, :]
 
 
@@ -92,42 +124,45 @@ def _gemv_gptq_a8_kernel(
     HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr,
     PDL: tl.constexpr, ASM: tl.constexpr, RBLOCK: tl.constexpr, PRE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
+    tl.static_assert(BLOCK_K8 % 4 == 0, "a tile holds whole blocks of 32 weights")
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     k8_start = tl.program_id(1) * k8_per_split
     k8_end = tl.minimum(K8, k8_start + k8_per_split)
-    kk8 = tl.arange(0, BLOCK_K8)
-    acc2 = tl.zeros([BLOCK_K8, BLOCK_N], dtype=tl.float32)
+    kb = 4 * tl.arange(0, BLOCK_K8 // 4)
+    acc2 = tl.zeros([BLOCK_K8 // 4, BLOCK_N], dtype=tl.float32)
     # PRE (0..2) weight tiles loaded before the PDL wait (nothing launched just before writes them), summed after it
     # in the loop's order; a tile wholly past the split's end reads no scale (its group may lie past the last)
-    k8a = k8_start + kk8
-    k8b = k8a + BLOCK_K8
+    ra = k8_start + kb
+    rb = ra + BLOCK_K8
     if PRE >= 1:
-        wa = _words(QW, k8a, k8_end, n, n_mask, sq_k, True)
+        a0, a1, a2, a3 = _block_words(QW, ra, k8_end, n, n_mask, sq_k, True)
     if PRE >= 2:
-        wb = _words(QW, k8b, k8_end, n, n_mask, sq_k, True)
+        b0, b1, b2, b3 = _block_words(QW, rb, k8_end, n, n_mask, sq_k, True)
     wait_prior(PDL)
     if PRE >= 1:
-        acc2 += _tile_sum(wa, XW, DX, S, k8_start, k8a, k8a < k8_end, n, n_mask, G_SIZE, ss_g, ASM)
+        acc2 += _tile_sum(a0, a1, a2, a3, XW, DX, S, k8_start, ra, k8_end, n, n_mask, G_SIZE, ss_g, ASM)
     if PRE >= 2:
         live = n_mask & (n * 0 + k8_start + BLOCK_K8 < k8_end)
-        acc2 += _tile_sum(wb, XW, DX, S, k8_start + BLOCK_K8, k8b, k8b < k8_end, n, live, G_SIZE, ss_g, ASM)
+        acc2 += _tile_sum(b0, b1, b2, b3, XW, DX, S, k8_start + BLOCK_K8, rb, k8_end, n, live, G_SIZE, ss_g, ASM)
     for k80 in tl.range(k8_start + PRE * BLOCK_K8, k8_end, BLOCK_K8, num_stages=STAGES):
-        k8 = k80 + kk8
-        words = _words(QW, k8, k8_end, n, n_mask, sq_k, False)
-        acc2 += _tile_sum(words, XW, DX, S, k80, k8, k8 < k8_end, n, n_mask, G_SIZE, ss_g, ASM)
+        r = k80 + kb
+        w0, w1, w2, w3 = _block_words(QW, r, k8_end, n, n_mask, sq_k, False)
+        acc2 += _tile_sum(w0, w1, w2, w3, XW, DX, S, k80, r, k8_end, n, n_mask, G_SIZE, ss_g, ASM)
     # the zero points: s z sum x' per group and column, from the blocks' RS = d sum q_x over this split's part of
-    # the group (a block of 8 activations is a word row)
+    # the group (a block of 32 activations is four word rows)
     zshift = (n % 8) * 4
     corr = tl.zeros([BLOCK_N], dtype=tl.float32)
-    g8 = G_SIZE // 8
-    rb = tl.arange(0, RBLOCK)
-    for g in range(k8_start // g8, tl.cdiv(k8_end, g8)):
-        r_lo = tl.maximum(g * g8, k8_start)
-        r_hi = tl.minimum(g * g8 + g8, k8_end)
+    g32 = G_SIZE // 32
+    bb = tl.arange(0, RBLOCK)
+    b_start = k8_start // 4
+    b_end = tl.cdiv(k8_end, 4)
+    for g in range(b_start // g32, tl.cdiv(b_end, g32)):
+        lo = tl.maximum(g * g32, b_start)
+        hi = tl.minimum(g * g32 + g32, b_end)
         xs = tl.zeros([RBLOCK], dtype=tl.float32)
-        for c in range(r_lo, r_hi, RBLOCK):
-            xs += tl.load(RS + c + rb, mask=c + rb < r_hi, other=0.0)
+        for c in range(lo, hi, RBLOCK):
+            xs += tl.load(RS + c + bb, mask=c + bb < hi, other=0.0)
         s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
         zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
         corr += (((zw >> zshift) & 15) + 1).to(tl.float32) * s * tl.sum(xs, axis=0)
@@ -135,23 +170,27 @@ def _gemv_gptq_a8_kernel(
 
 
 def accepts(x: torch.Tensor, qw) -> bool:
-    """Whether the W4A8 path takes a one-row call: switched on, int4 in group order, K and the group size multiples
-    of 8, a float activation dtype, inline PTX available (NVIDIA) or the CPU interpreter."""
+    """Whether the W4A8 path takes a one-row call: switched on, int4 in group order, K a multiple of 32 and groups of
+    a multiple of 32 weights (or one group over K), a float activation dtype, inline PTX available (NVIDIA, sm61+
+    for dp4a) or the CPU interpreter."""
     n, k = qw.shape
-    if not ENABLED or qw.format != "int4" or qw.act_order or k % 8 or qw.group_size <= 0 or qw.group_size % 8:
+    if not ENABLED or qw.format != "int4" or qw.act_order or k % 32 or qw.group_size <= 0:
+        return False
+    if qw.group_size < k and qw.group_size % 32:
         return False
     if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)  # dp4a: sm61+
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
 
 
 def _plan(shape, group_size: int, tiles=None):
-    """(block_n, block_k8, num_warps, num_stages) of a launch on an [N, K] int4 weight."""
+    """(block_n, block_k8, num_warps, num_stages) of a launch on an [N, K] int4 weight: block_k8 a power of two of
+    at least 4 words (whole blocks of 32), inside one group."""
     n, k = shape
     block_n, block_k, num_warps, num_stages = tiles or tiles_for("int4_a8", n, k)
-    block_k8 = 1 << (max(1, block_k // 8).bit_length() - 1)
+    block_k8 = max(4, 1 << (max(1, block_k // 8).bit_length() - 1))
     if group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size
-        while block_k8 > 1 and group_size % (8 * block_k8):
+        while block_k8 > 4 and group_size % (8 * block_k8):
             block_k8 //= 2
     return block_n, block_k8, num_warps, num_stages
 
