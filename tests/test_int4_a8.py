@@ -97,14 +97,14 @@ def reference(x, qw, bias=None):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_against_the_reference(device):
     """Group sizes 32 / 64 / 128 / all of K, K split 1 to 5 ways (partial groups in a split), N not a multiple of
-    the column block, bias, tiles of 1..2 blocks of 32 along K, weights loaded before the PDL wait or not (the same bits):
+    the column block or a multiple (the unmasked loop), bias, tiles of 1..2 blocks of 32 along K, weights loaded before the PDL wait or not (the same bits):
     within 1e-5 of the largest output of the float64 reference (the integer dot products are exact; the zero-point
     term cancels a few bits of float32, as in gemv_gptq.py). A zero point off by one moves it 100x past that."""
     from polyfuse.backends.triton import _qgemv
 
     gen = torch.Generator().manual_seed(2)
     for n, k, g, tiles in ((40, 1056, 128, (16, 64, 1, 2)), (72, 512, 64, (32, 32, 2, 2)), (16, 384, 32, None),
-                           (24, 288, 288, (8, 8, 1, 1))):  # fmt: skip
+                           (24, 288, 288, (8, 8, 1, 1)), (64, 512, 128, (32, 64, 1, 2))):  # fmt: skip
         qw = dataclasses.replace(qf.quantize("int4", torch.randn(n, k, generator=gen) * 0.05, group_size=g))
         qw = dataclasses.replace(
             qw, **{f: getattr(qw, f).to(device) for f in ("qweight", "qzeros", "scales", "g_idx")}

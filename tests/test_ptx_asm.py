@@ -64,9 +64,9 @@ for fp16 in (False, True):
     ptx = compile_(gemv_gptq_mma._gemv_gptq_mma_kernel, sig, consts)
     assert ptx.count("lop3.b32") >= 8 and "mma.sync" in ptx, "int4 mma: the plane decode or the mma is missing"
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", QW="*i32", QZ="*i32", S="*fp16", B="*bf16", Y="*bf16", WS="*fp32",
-           CNT="*i32", N="i32", K8="i32", G_SIZE="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
+           CNT="*i32", N="i32", K8="i32", G_SIZE="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
            SPLIT="i32")
-consts = dict(HAS_BIAS=False, BLOCK_N=256, BLOCK_K8=8, STAGES=2, PDL=False, ASM=True, RBLOCK=16, PRE=2, UNROLL=8)
+consts = dict(SQ_K=28672, EVEN=True, HAS_BIAS=False, BLOCK_N=256, BLOCK_K8=8, STAGES=2, PDL=False, ASM=True, RBLOCK=16, PRE=2, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq_a8._gemv_gptq_a8_kernel, sig, consts)
 assert ptx.count("dp4a.u32.s32") >= 16, "W4A8: the integer dot products are missing"

@@ -84,18 +84,21 @@ def _dot32(w0, w1, w2, w3, e0, e1, e2, e3, o0, o1, o2, o3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _words(QW, r, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
-    """The packed words of rows r (those < k8_end) and columns n; EARLY: loaded before the PDL wait, past L1."""
-    return weight_tile(QW + r[:, None] * sq_k + n[None, :], (r < k8_end)[:, None] & n_mask[None, :], 0, EARLY)
-
-
-@triton.jit
-def _block_words(QW, r, k8_end, n, n_mask, sq_k, EARLY: tl.constexpr):
-    """The four word rows r, r + 1, r + 2, r + 3 of each block (r: the blocks' first rows)."""
-    w0 = _words(QW, r, k8_end, n, n_mask, sq_k, EARLY)
-    w1 = _words(QW, r + 1, k8_end, n, n_mask, sq_k, EARLY)
-    w2 = _words(QW, r + 2, k8_end, n, n_mask, sq_k, EARLY)
-    w3 = _words(QW, r + 3, k8_end, n, n_mask, sq_k, EARLY)
+def _block_words(P, r, k8_end, n_mask, SQ_K: tl.constexpr, MASKED: tl.constexpr, EARLY: tl.constexpr):
+    """The four word rows of each block of the tile at pointers P (rows r, the blocks' first, times columns):
+    rows r .. r + 3, those < k8_end where MASKED (else every row and column is in range); EARLY: loaded before the
+    PDL wait, past L1. The row stride SQ_K is a constant, so the four rows are one address plus offsets."""
+    if MASKED:
+        m = (r < k8_end)[:, None] & n_mask[None, :]
+        w0 = weight_tile(P, m, 0, EARLY)
+        w1 = weight_tile(P + SQ_K, m, 0, EARLY)
+        w2 = weight_tile(P + 2 * SQ_K, m, 0, EARLY)
+        w3 = weight_tile(P + 3 * SQ_K, m, 0, EARLY)
+    else:
+        w0 = weight_tile(P, None, None, EARLY)
+        w1 = weight_tile(P + SQ_K, None, None, EARLY)
+        w2 = weight_tile(P + 2 * SQ_K, None, None, EARLY)
+        w3 = weight_tile(P + 3 * SQ_K, None, None, EARLY)
     return w0, w1, w2, w3
 
 
@@ -120,10 +123,12 @@ def _tile_sum(w0, w1, w2, w3, XW, DX, S, k80, r, k8_end, n, s_mask, G_SIZE, ss_g
 
 @triton.jit
 def _gemv_gptq_a8_kernel(
-    XW, DX, RS, QW, QZ, S, B, Y, WS, CNT, N, K8, G_SIZE, sq_k, sz_g, ss_g, k8_per_split,
-    HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_K8: tl.constexpr, STAGES: tl.constexpr,
-    PDL: tl.constexpr, ASM: tl.constexpr, RBLOCK: tl.constexpr, PRE: tl.constexpr, UNROLL: tl.constexpr,
+    XW, DX, RS, QW, QZ, S, B, Y, WS, CNT, N, K8, G_SIZE, sz_g, ss_g, k8_per_split,
+    SQ_K: tl.constexpr, EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr,
+    BLOCK_K8: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, RBLOCK: tl.constexpr,
+    PRE: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
+    """EVEN: N a multiple of BLOCK_N and every split a whole number of tiles inside K: the loop loads unmasked."""
     tl.static_assert(BLOCK_K8 % 4 == 0, "a tile holds whole blocks of 32 weights")
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -135,20 +140,23 @@ def _gemv_gptq_a8_kernel(
     # in the loop's order; a tile wholly past the split's end reads no scale (its group may lie past the last)
     ra = k8_start + kb
     rb = ra + BLOCK_K8
+    pa = QW + ra[:, None].to(tl.int64) * SQ_K + n[None, :]
     if PRE >= 1:
-        a0, a1, a2, a3 = _block_words(QW, ra, k8_end, n, n_mask, sq_k, True)
+        a0, a1, a2, a3 = _block_words(pa, ra, k8_end, n_mask, SQ_K, True, True)
     if PRE >= 2:
-        b0, b1, b2, b3 = _block_words(QW, rb, k8_end, n, n_mask, sq_k, True)
+        b0, b1, b2, b3 = _block_words(pa + BLOCK_K8 * SQ_K, rb, k8_end, n_mask, SQ_K, True, True)
     wait_prior(PDL)
     if PRE >= 1:
         acc2 += _tile_sum(a0, a1, a2, a3, XW, DX, S, k8_start, ra, k8_end, n, n_mask, G_SIZE, ss_g, ASM)
     if PRE >= 2:
         live = n_mask & (n * 0 + k8_start + BLOCK_K8 < k8_end)
         acc2 += _tile_sum(b0, b1, b2, b3, XW, DX, S, k8_start + BLOCK_K8, rb, k8_end, n, live, G_SIZE, ss_g, ASM)
+    p = pa + PRE * BLOCK_K8 * SQ_K
     for k80 in tl.range(k8_start + PRE * BLOCK_K8, k8_end, BLOCK_K8, num_stages=STAGES):
         r = k80 + kb
-        w0, w1, w2, w3 = _block_words(QW, r, k8_end, n, n_mask, sq_k, False)
+        w0, w1, w2, w3 = _block_words(p, r, k8_end, n_mask, SQ_K, not EVEN, False)
         acc2 += _tile_sum(w0, w1, w2, w3, XW, DX, S, k80, r, k8_end, n, n_mask, G_SIZE, ss_g, ASM)
+        p += BLOCK_K8 * SQ_K
     # the zero points: s z sum x' per group and column, from the blocks' RS = d sum q_x over this split's part of
     # the group (a block of 32 activations is four word rows)
     zshift = (n % 8) * 4
@@ -210,7 +218,8 @@ def gemv_gptq_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split
     pre = prefetch_tiles("int4", block_k8 * block_n / (32 * num_warps)) if qweight is qw.qweight else 0
     _gemv_gptq_a8_kernel[(grid_n, split)](
         xw, dx, rs, qweight, qzeros, scales, bias if bias is not None else y, y, ws, cnt, n, k8, qw.group_size,
-        qweight.stride(0), qzeros.stride(0), scales.stride(0), per, HAS_BIAS=bias is not None, SPLIT=split,
+        qzeros.stride(0), scales.stride(0), per, SQ_K=qweight.stride(0),
+        EVEN=n % block_n == 0 and k8 % block_k8 == 0, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, RBLOCK=16, PRE=pre,
         UNROLL=int4_tail_unroll(block_n, num_warps, per_sm), num_warps=num_warps, num_stages=num_stages,
         **pdl_options(xw.device),
