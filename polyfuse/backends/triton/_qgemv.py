@@ -132,7 +132,7 @@ TILES = {
     "fp8_block": (16, 128, 4, 3),
     "int4": (512, 64, 4, 3),
     "int4_mma": (256, 128, 4, 3),
-    "int4_a8": (512, 64, 4, 3),  # gemv_gptq_a8.py (POLYFUSE_INT4_A8=1): int4's tile until swept
+    "int4_a8": (256, 64, 2, 2),  # gemv_gptq_a8.py (POLYFUSE_INT4_A8=1): the best on every 8B projection (session 17)
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
@@ -175,14 +175,17 @@ SHAPE_TILES = {
     ("int4", 8192, 8192): (128, 64, 1, 2),
     ("int4", 57344, 8192): (512, 16, 1, 2),
     ("int4", 8192, 28672): (128, 64, 1, 2),
-    # the W4A8 GEMV (gemv_gptq_a8.py, POLYFUSE_INT4_A8=1), session 17's sweep (one H200, us per call in a graph of
-    # calls, against the bf16-activation int4 GEMV's: 8B qkv 8.17 vs 9.41, o 6.89 vs 7.09, gate/up 18.91 vs 25.91,
-    # down 14.03 vs 15.87, LM head 71.02 vs 86.72; 70B qkv 16.40 vs 20.67, o 13.95 vs 15.73, gate/up 67.57 vs 82.56,
-    # down 38.46 vs 48.27)
+    # the W4A8 GEMV (gemv_gptq_a8.py, POLYFUSE_INT4_A8=1), session 17's sweep with its blocks of 32 (one H200, us
+    # per call in a graph of calls, against the bf16-activation int4 GEMV's): 8B qkv 7.60 vs 9.53, o 6.60 vs 7.18,
+    # gate/up 18.89 vs 26.19, down 14.03 vs 16.19, LM head 70.07 vs 85.68. Llama-2-70B: from the first sweep (blocks
+    # of 8), qkv 16.40 vs 20.67, o 13.95 vs 15.73, gate/up 67.57 vs 82.56, down 38.46 vs 48.27.
     ("int4_a8", 6144, 4096): (256, 64, 2, 2),
     ("int4_a8", 4096, 4096): (256, 64, 2, 2),
     ("int4_a8", 28672, 4096): (256, 64, 2, 2),
-    ("int4_a8", 128256, 4096): (1024, 32, 4, 2),
+    ("int4_a8", 4096, 14336): (256, 64, 2, 2),
+    ("int4_a8", 128256, 4096): (256, 64, 2, 2),
+    ("int4_a8", 10240, 8192): (512, 64, 4, 3),
+    ("int4_a8", 8192, 8192): (512, 64, 4, 3),
     ("int4_a8", 57344, 8192): (256, 32, 1, 2),
     ("int4_a8", 8192, 28672): (256, 32, 1, 2),
     # the int4 tensor-core kernel at 16 rows, activations plane-major (session 11's sweep; us, against the format tile
@@ -215,7 +218,8 @@ PROGRAMS_PER_SM = {
     ("int4_a8", 6144, 4096): 8,
     ("int4_a8", 4096, 4096): 4,
     ("int4_a8", 28672, 4096): 16,
-    ("int4_a8", 128256, 4096): 4,
+    ("int4_a8", 4096, 14336): 8,
+    ("int4_a8", 128256, 4096): 16,
     ("int4_a8", 10240, 8192): 4,
     ("int4_a8", 8192, 8192): 4,
     ("int4_a8", 57344, 8192): 32,
