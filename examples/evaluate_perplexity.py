@@ -12,7 +12,9 @@ Q4_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at lo
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
 (512 tokens, at most 64, whatever --context is). The first entry is the baseline the others are
-compared with. The default text is the Declaration of Independence (public domain,
+compared with. "+a8" (int4+a8) scores int4 with the projections' activations quantized to int8 in blocks of 32, as
+the opt-in POLYFUSE_INT4_A8=1 one-row decode computes them (emulated on every position, teacher-forced:
+polyfuse/bench/act_int8.py). The default text is the Declaration of Independence (public domain,
 examples/data/declaration_of_independence.txt).
 """
 
@@ -28,6 +30,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
+from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
 from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
 from polyfuse.engine.gptq import calibration_windows  # noqa: E402
 from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
@@ -83,9 +87,14 @@ def main(argv=None) -> int:
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
-        head, gptq = "lm_head" in suffixes, "gptq" in suffixes
-        if set(suffixes) - {"lm_head", "gptq"}:
-            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq and +lm_head", file=sys.stderr)
+        head, gptq, a8 = "lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes
+        if set(suffixes) - {"lm_head", "gptq", "a8"}:
+            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq, +lm_head and +a8",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if a8 and fmt not in A8_FORMATS:
+            print(f"evaluate_perplexity.py: error: --quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats "
+                  "whose one-row GEMV has int8 activations)", file=sys.stderr)  # fmt: skip
             return 2
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=args.device,
@@ -95,6 +104,8 @@ def main(argv=None) -> int:
             quantize_model_(model, fmt, calibration)
         if head:  # run_generation.py's --quant_lm_head
             quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
+        if a8:
+            emulate_int8_activations_(model)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, n = perplexity(model, windows)

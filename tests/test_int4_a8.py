@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 from quant_cases import act_order, quantized
 
@@ -175,35 +174,15 @@ def test_accepts_and_the_dispatch(monkeypatch):
 
 def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Greedy decode of an int4 tiny Llama through the W4A8 path (the model's own ops: the norm + GEMV pair,
-    SwiGLU + GEMV, the plain GEMV) against the native reference whose quantized projections are given the same
-    quantized activations: the same tokens, and each one-row step's logits within float32 rounding."""
+    SwiGLU + GEMV, the plain GEMV) against the native model whose int4 projections are given the same quantized
+    activations (bench/act_int8.py, what evaluate_perplexity.py's int4+a8 scores): the same tokens, and each one-row
+    step's logits within float32 rounding."""
+    from polyfuse.bench.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
-    from polyfuse.ops import quant_linear
 
     src = LlamaForCausalLM.from_config(tiny_config(num_key_value_heads=2), seed=3)
     src.save_pretrained(str(tmp_path))
     ids = torch.randint(10, 300, (1, 7), generator=torch.Generator().manual_seed(7))
-
-    def fake_quant(x):
-        q, d = quantize_act_int8(x)
-        return dequantize_act_int8(q, d).to(x.dtype)
-
-    def emulated(op):  # the native op, its projection fed fake-quantized activations on one-row calls
-        native = registry.bound(op, "native")
-
-        def run(*a, **k):
-            if a[0].numel() != a[0].shape[-1]:
-                return native(*a, **k)
-            if op == "linear_q":
-                return quant_linear.linear_q_native(fake_quant(a[0]), *a[1:], **k)
-            if op == "swiglu_linear_q":
-                return quant_linear.linear_q_native(fake_quant(F.silu(a[0]) * a[1]), *a[2:], **k)
-            x, res, w, eps, qw, *rest = a
-            total = x + res if res is not None else x
-            y = registry.bound("rms_norm", "native")(total, w, eps)
-            return quant_linear.linear_q_native(fake_quant(y), qw, *rest, **k), total
-
-        return run
 
     calls = []
     real = a8.gemv_gptq_a8
@@ -214,8 +193,11 @@ def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int4")
         monkeypatch.setattr(a8, "ENABLED", name == "a8")
         logits = steps[name] = []
-        for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
-            setattr(model.kernels, op, registry.bound(op, "gemv_q") if name == "a8" else emulated(op))
+        if name == "a8":
+            for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
+                setattr(model.kernels, op, registry.bound(op, "gemv_q"))
+        else:  # the native kernels (this CPU run's), every int4 projection fed int8 activations
+            emulate_int8_activations_(model)
         forward = model.forward
 
         def record(*a, _forward=forward, _logits=logits, **k):

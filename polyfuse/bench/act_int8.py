@@ -1,0 +1,41 @@
+"""The quality of ``POLYFUSE_INT4_A8`` measured over a whole text: a model whose int4 projections see their
+activations quantized to int8 in blocks of 32 and back (polyfuse/ops/act_int8.py), on every row.
+
+The W4A8 GEMV runs only one-row decode; scoring a text one token at a time through it is slow, so the perplexity tool
+(examples/evaluate_perplexity.py ``int4+a8``) emulates it instead: teacher-forced, every position's projections get
+the activations that decode would quantize, the model's own kernels do the rest. The one difference from the
+decode kernels: SwiGLU is the run's own (the W4A8 path rounds silu(gate) * up once, as the Triton SwiGLU kernel does).
+tests/test_int4_a8.py checks the decode kernels against this emulation.
+"""
+
+from __future__ import annotations
+
+from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
+
+
+FORMATS = ("int4",)  # the formats whose one-row GEMV has a W4A8 form
+
+
+def int8_activations(x):
+    """x with each block of 32 values quantized to int8 and back, in x's dtype."""
+    q, d = quantize_act_int8(x)
+    return dequantize_act_int8(q, d).to(x.dtype)
+
+
+def emulate_int8_activations_(model) -> None:
+    """Rebind ``model.kernels``' quantized-projection ops so that projections on FORMATS weights see int8
+    activations (in place)."""
+    k = model.kernels
+    linear_q, swiglu, add_rms_norm, rms_norm = k.linear_q, k.swiglu, k.add_rms_norm, k.rms_norm
+
+    def a8_linear_q(x, qweight, bias=None):
+        return linear_q(int8_activations(x) if qweight.format in FORMATS else x, qweight, bias)
+
+    def a8_swiglu_linear_q(gate, up, qweight, bias=None):
+        return a8_linear_q(swiglu(gate, up), qweight, bias)
+
+    def a8_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
+        y, r = (rms_norm(x, weight, eps), x) if residual is None else add_rms_norm(x, residual, weight, eps)
+        return a8_linear_q(y, qweight, bias), r
+
+    k.linear_q, k.swiglu_linear_q, k.add_rms_norm_linear_q = a8_linear_q, a8_swiglu_linear_q, a8_add_rms_norm_linear_q
