@@ -177,17 +177,18 @@ SHAPE_TILES = {
     ("int4", 8192, 28672): (128, 64, 1, 2),
     # the W4A8 GEMV (gemv_gptq_a8.py, POLYFUSE_INT4_A8=1), session 17's sweep with its blocks of 32 (one H200, us
     # per call in a graph of calls, against the bf16-activation int4 GEMV's): 8B qkv 7.60 vs 9.53, o 6.60 vs 7.18,
-    # gate/up 18.89 vs 26.19, down 14.03 vs 16.19, LM head 70.07 vs 85.68. Llama-2-70B: from the first sweep (blocks
-    # of 8), qkv 16.40 vs 20.67, o 13.95 vs 15.73, gate/up 67.57 vs 82.56, down 38.46 vs 48.27.
+    # gate/up 18.89 vs 26.19, down 14.03 vs 16.19, LM head 70.07 vs 85.68; Llama-2-70B qkv 15.74 vs 20.78, o 14.75
+    # vs 15.77, gate/up 65.79 vs 83.19, down 37.43 vs 47.96 (70B decode 81.5 tok/s with these, 75.0 with the first
+    # sweep's 70B tiles).
     ("int4_a8", 6144, 4096): (256, 64, 2, 2),
     ("int4_a8", 4096, 4096): (256, 64, 2, 2),
     ("int4_a8", 28672, 4096): (256, 64, 2, 2),
     ("int4_a8", 4096, 14336): (256, 64, 2, 2),
     ("int4_a8", 128256, 4096): (256, 64, 2, 2),
-    ("int4_a8", 10240, 8192): (512, 64, 4, 3),
-    ("int4_a8", 8192, 8192): (512, 64, 4, 3),
-    ("int4_a8", 57344, 8192): (256, 32, 1, 2),
-    ("int4_a8", 8192, 28672): (256, 32, 1, 2),
+    ("int4_a8", 10240, 8192): (512, 64, 4, 2),
+    ("int4_a8", 8192, 8192): (256, 128, 2, 2),
+    ("int4_a8", 57344, 8192): (256, 64, 2, 2),
+    ("int4_a8", 8192, 28672): (256, 128, 2, 2),
     # the int4 tensor-core kernel at 16 rows, activations plane-major (session 11's sweep; us, against the format tile
     # 256 x 128 x 4 warps x 3 stages at two programs per SM where it differs): 8B qkv 15.64, o 13.40, down 29.34;
     # 70B qkv 34.82, o 30.66 (gate/up, down and the LM head: the format tile, PROGRAMS_PER_SM below)
@@ -220,10 +221,10 @@ PROGRAMS_PER_SM = {
     ("int4_a8", 28672, 4096): 16,
     ("int4_a8", 4096, 14336): 8,
     ("int4_a8", 128256, 4096): 16,
-    ("int4_a8", 10240, 8192): 4,
-    ("int4_a8", 8192, 8192): 4,
-    ("int4_a8", 57344, 8192): 32,
-    ("int4_a8", 8192, 28672): 16,
+    ("int4_a8", 10240, 8192): 8,
+    ("int4_a8", 8192, 8192): 8,
+    ("int4_a8", 57344, 8192): 16,
+    ("int4_a8", 8192, 28672): 8,
     ("int4_mma", 6144, 4096): 4,
     ("int4_mma", 4096, 14336): 4,
     ("int4_mma", 128256, 4096): 4,
