@@ -117,7 +117,7 @@ class StepTimer:
 def quant_label(args) -> str:
     """The rows' ``quant``: the format, +lm_head, +a8 where int4's one-row GEMV runs on int8 activations
     (POLYFUSE_INT4_A8=1)."""
-    a8 = args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
+    a8 = args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1"  # gemv_gptq_a8.ENABLED's source
     return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
 
 

@@ -83,19 +83,21 @@ def main(argv=None) -> int:
             print("evaluate_perplexity.py: error: +gptq needs calibration tokens: give --calibration_text, or "
                   "--max_tokens below the text's length", file=sys.stderr)  # fmt: skip
             return 2
+    for quant in quants:  # every entry checked before any model is loaded
+        fmt, *suffixes = quant.split("+")
+        if set(suffixes) - {"lm_head", "gptq", "a8"}:
+            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq, +lm_head and +a8",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        if "a8" in suffixes and fmt not in A8_FORMATS:
+            print(f"evaluate_perplexity.py: error: --quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats "
+                  "whose one-row GEMV has int8 activations)", file=sys.stderr)  # fmt: skip
+            return 2
     base = None
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
         head, gptq, a8 = "lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes
-        if set(suffixes) - {"lm_head", "gptq", "a8"}:
-            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq, +lm_head and +a8",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        if a8 and fmt not in A8_FORMATS:
-            print(f"evaluate_perplexity.py: error: --quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats "
-                  "whose one-row GEMV has int8 activations)", file=sys.stderr)  # fmt: skip
-            return 2
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=args.device,
             quant="none" if gptq else None if fmt == "auto" else fmt,

@@ -68,7 +68,7 @@ def test_activation_kernels_write_the_reference_bytes(device, dtype):
     from polyfuse.backends.triton.swiglu import swiglu_forward
 
     gen = torch.Generator().manual_seed(1)
-    for k in (32, 2080):
+    for k in (32, 2080) + ((8192,) if device == "cuda" else ()):  # 8192: the norm at 16 warps, as rms_norm.py
         x = (torch.randn(1, k, generator=gen) * 3).to(dtype)
         x[0, :32] = 0.0
         x[0, 32:64] = 1e-41 if dtype == torch.float32 else 0.0
@@ -147,6 +147,10 @@ def test_accepts_and_the_dispatch(monkeypatch):
     assert not a8.accepts(x, dataclasses.replace(qw, group_size=16))  # a group must hold whole blocks of 32
     assert a8.accepts(x, dataclasses.replace(qw, group_size=256))  # one group over K
     assert not a8.accepts(torch.randn(1, 264), quantized("int4", 48, 264, "cpu"))  # K not a multiple of 32
+    assert not a8.accepts(torch.randn(2, 256), qw)  # one row only
+    assert not a8.accepts(x, qw, up=torch.randn(1, 256).bfloat16())  # up of another dtype
+    with pytest.raises(ValueError, match="one row"):
+        quantize_row(torch.randn(2, 256))
     assert not a8.accepts(x, quantized("int8", 48, 256, "cpu"))
     calls = []
     real = a8.gemv_gptq_a8

@@ -800,12 +800,14 @@ def test_perplexity_with_int8_activations(builtin, baseline):
 
 
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
-    """--quant int8+a8: one error line (the W4A8 path is int4's), exit 2, before any model is loaded."""
+    """--quant int4,int8+a8: one error line (the W4A8 path is int4's), exit 2, before any entry is scored."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     import evaluate_perplexity
 
-    assert evaluate_perplexity.main(["--quant", "int8+a8"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    assert evaluate_perplexity.main(["--quant", "int4,int8+a8", "--max_tokens", "64"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # int4 was not scored first
+    err = err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
 
 

@@ -3,33 +3,39 @@ activations quantized to int8 in blocks of 32 and back (polyfuse/ops/act_int8.py
 
 The W4A8 GEMV runs only one-row decode; scoring a text one token at a time through it is slow, so the perplexity tool
 (examples/evaluate_perplexity.py ``int4+a8``) emulates it instead: teacher-forced, every position's projections get
-the activations that decode would quantize, the model's own kernels do the rest. The one difference from the
-decode kernels: SwiGLU is the run's own (the W4A8 path rounds silu(gate) * up once, as the Triton SwiGLU kernel does).
+the activations that decode would quantize (where the W4A8 GEMV takes the weight), multiplied in float32 and rounded
+once, and the model's own kernels do the rest. Differences from the decode kernels: SwiGLU is the run's own (the
+W4A8 path rounds silu(gate) * up once, as the Triton SwiGLU kernel does), and the run's linear_q on float32
+activations dequantizes the weight to float32 (the GEMV does too) but sums in its own order.
 tests/test_int4_a8.py checks the decode kernels against this emulation.
 """
 
 from __future__ import annotations
 
-from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
+from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8, takes
 
 
-FORMATS = ("int4",)  # the formats whose one-row GEMV has a W4A8 form
+FORMATS = ("int4",)  # the formats whose one-row GEMV has a W4A8 form (ops/act_int8.py ``takes`` the weights)
 
 
 def int8_activations(x):
-    """x with each block of 32 values quantized to int8 and back, in x's dtype."""
+    """x with each block of 32 values quantized to int8 and back, in float32 (the W4A8 GEMV multiplies these
+    exactly, without rounding them to x's dtype)."""
     q, d = quantize_act_int8(x)
-    return dequantize_act_int8(q, d).to(x.dtype)
+    return dequantize_act_int8(q, d)
 
 
 def emulate_int8_activations_(model) -> None:
-    """Rebind ``model.kernels``' quantized-projection ops so that projections on FORMATS weights see int8
-    activations (in place)."""
+    """Rebind ``model.kernels``' quantized-projection ops so that the projections the W4A8 GEMV takes see int8
+    activations (in place); the product in float32, rounded once to the activations' dtype, as the GEMV's."""
     k = model.kernels
     linear_q, swiglu, add_rms_norm, rms_norm = k.linear_q, k.swiglu, k.add_rms_norm, k.rms_norm
 
     def a8_linear_q(x, qweight, bias=None):
-        return linear_q(int8_activations(x) if qweight.format in FORMATS else x, qweight, bias)
+        if not takes(qweight):
+            return linear_q(x, qweight, bias)
+        out = linear_q(int8_activations(x), qweight, None if bias is None else bias.float())
+        return out.to(x.dtype)
 
     def a8_swiglu_linear_q(gate, up, qweight, bias=None):
         return a8_linear_q(swiglu(gate, up), qweight, bias)

@@ -2,10 +2,11 @@
 
 ``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
 integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
-dtype) is cut into blocks of 32 consecutive values (llama.cpp's q8_1 block); a block's scale is d = amax / 127 (amax = max |x| over the block,
+dtype) is cut into blocks of 32 consecutive values (llama.cpp's q8_1 block); a block's scale is d = amax / 127
+(amax = max |x| over the block,
 in float32, IEEE divisions) and its values q = round-half-even(x * (127 / amax)), in -127..127; a block whose amax is
 below 2^-100 (zeros, subnormals) is all zeros with d = 0. The product is then dequantize(w) @ (q d), exact in the
-integers, with one float32 rounding per block of 32 weights and column. Not weight-only: each activation is moved by at
+integers, then float32 multiplies by the block's and the column's scales and float32 sums. Not weight-only: each activation is moved by at
 most half a step, amax / 254 of its block, against about 1/16 of a group's range for every int4 weight.
 """
 
@@ -19,6 +20,15 @@ import torch
 REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
+
+
+def takes(qweight) -> bool:
+    """Whether a packed weight has the W4A8 GEMV: int4 in group order, K a multiple of 32, groups of a multiple of 32
+    weights (or one group over K)."""
+    n, k = qweight.shape
+    if qweight.format != "int4" or qweight.act_order or k % BLOCK or qweight.group_size <= 0:
+        return False
+    return qweight.group_size >= k or qweight.group_size % BLOCK == 0
 
 
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

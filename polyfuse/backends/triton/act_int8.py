@@ -15,6 +15,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options
 from polyfuse.backends.triton._rounding import PTX, cast_rne
+from polyfuse.backends.triton.rms_norm import _launch_params
 from polyfuse.ops.act_int8 import BLOCK as QBLOCK
 from polyfuse.ops.act_int8 import TINY
 
@@ -101,8 +102,11 @@ def _outputs(k: int, device):
 
 
 def quantize_row(x: torch.Tensor, up=None):
-    """x [K] or [1, K] (dense; the gate with ``up`` for SwiGLU) -> (xw int32 [K / 4], dx, rs float32 [K / 32])."""
+    """x [K] or [1, K] (dense; the gate with ``up`` of its dtype for SwiGLU) -> (xw int32 [K / 4], dx, rs float32
+    [K / 32])."""
     k = x.shape[-1]
+    if x.numel() != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
+        raise ValueError("quantize_row: one row (and up of its shape and dtype)")
     xw, dx, rs = _outputs(k, x.device)
     block = min(CHUNK, triton.next_power_of_2(k))
     _quantize_kernel[(triton.cdiv(k, block),)](
@@ -116,12 +120,13 @@ def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: floa
     """add + RMSNorm of one dense row x [H] (residual: [H] or None; weight of x's dtype), quantized ->
     (xw, dx, rs, x + residual in x's dtype, or x itself without a residual)."""
     h = x.shape[-1]
+    if x.numel() != h:
+        raise ValueError("norm_quantize_row: one row")
     xw, dx, rs = _outputs(h, x.device)
     r = torch.empty_like(x) if residual is not None else x
-    block = triton.next_power_of_2(h)
+    block, num_warps = _launch_params(h)  # rms_norm.py's: the same sum of squares, in the same order
     _norm_quantize_kernel[(1,)](
         x, residual if residual is not None else x, r, weight, xw, dx, rs, h, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, ASM=PTX, num_warps=4 if block <= 1024 else 8,
-        **pdl_options(x.device),
+        HAS_RES=residual is not None, BLOCK=block, ASM=PTX, num_warps=num_warps, **pdl_options(x.device),
     )  # fmt: skip
     return xw, dx, rs, r

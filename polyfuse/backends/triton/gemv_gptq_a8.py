@@ -7,8 +7,8 @@ kernels that write them, fused into the norm or SwiGLU before the projection), a
 byte permute and an FMA, the activation loads); here a block of 32 weights (four words) costs eight masks and eight
 ``dp4a`` (each word's even nibbles, masked in place, against the bytes of x_0, x_2, x_4, x_6; its odd ones, masked
 in place as 16 q, against x_1, .., x_7; two int32 chains over the block), one multiply-add joining the chains, then
-one conversion and two float multiplies for the block's scale d and the column's scale s: about 0.6 instructions
-per weight in the loop.
+one conversion and two float multiplies for the block's scale d and the column's scale s: about 0.6 arithmetic
+instructions per weight (the compiled sm_90 loop, with the pipeline's copies and the activation loads: 1.33).
 
 A group's s (sum q x' - z sum x') with x' = q_x d: the tile's [BLOCK_K8 / 4, BLOCK_N] float32 accumulator takes
 s d (sum q q_x) per block and column; the zero term once per group and column after the loop, from the blocks'
@@ -34,7 +34,7 @@ from polyfuse.backends.triton._qgemv import (
     weight_tile,
 )
 from polyfuse.backends.triton._rounding import PTX
-from polyfuse.ops.act_int8 import REQUESTED
+from polyfuse.ops.act_int8 import REQUESTED, takes
 
 
 ENABLED = REQUESTED
@@ -177,14 +177,14 @@ def _gemv_gptq_a8_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(acc2, axis=0) - corr, HAS_BIAS, SPLIT, UNROLL)
 
 
-def accepts(x: torch.Tensor, qw) -> bool:
-    """Whether the W4A8 path takes a one-row call: switched on, int4 in group order, K a multiple of 32 and groups of
-    a multiple of 32 weights (or one group over K), a float activation dtype, inline PTX available (NVIDIA, sm61+
-    for dp4a) or the CPU interpreter."""
-    n, k = qw.shape
-    if not ENABLED or qw.format != "int4" or qw.act_order or k % 32 or qw.group_size <= 0:
+def accepts(x: torch.Tensor, qw, up=None) -> bool:
+    """Whether the W4A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), a weight
+    it has a kernel for (ops/act_int8.py ``takes``: int4 in group order, K and the groups multiples of 32), a float
+    activation dtype, inline PTX available (NVIDIA, sm61+ for dp4a) or the CPU interpreter."""
+    k = qw.shape[1]
+    if not ENABLED or not takes(qw) or x.numel() != k or x.shape[-1] != k:
         return False
-    if qw.group_size < k and qw.group_size % 32:
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
         return False
     if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False

@@ -80,7 +80,7 @@ def _row(t: torch.Tensor) -> torch.Tensor:
 
 def _gemv(x, up, qweight, bias):
     fmt = qweight.format
-    if fmt == "int4" and gemv_gptq_a8.accepts(x, qweight):  # POLYFUSE_INT4_A8=1: int8 activations, then W4A8
+    if fmt == "int4" and gemv_gptq_a8.accepts(x, qweight, up):  # POLYFUSE_INT4_A8=1: int8 activations, then W4A8
         from polyfuse.backends.triton.act_int8 import quantize_row
 
         xq = quantize_row(_row(x), None if up is None else _row(up))
@@ -101,7 +101,7 @@ def linear_q(x, qweight, bias=None):
 
 
 def swiglu_linear_q(gate, up, qweight, bias=None):
-    if paired(qweight) and not gemv_gptq_a8.accepts(gate, qweight):  # (W4A8 quantizes after SwiGLU in one kernel)
+    if paired(qweight) and not gemv_gptq_a8.accepts(gate, qweight, up):  # (W4A8 quantizes after SwiGLU in one kernel)
         # the SwiGLU kernel launching the GEMV first, then the GEMV: the composite's bits
         from polyfuse.backends.triton.swiglu import swiglu_forward
 
