@@ -42,9 +42,16 @@ def int4_group_term(S, QZ, g, n, n_mask, zshift, ss_g, sz_g):
     """(16 + z) s per column n of int4 group g (s its scale, z AutoGPTQ's stored zero plus one): both int4 kernels
     sum an offset form of q per tile (gemv_gptq.py 2 + q / 8, gemv_gptq_mma.py 1 + q / 16), scaled so that the
     group's s (sum q x - z sum x) is that sum minus this term times the group's activation sum."""
+    z, s = int4_zero_scale(S, QZ, g, n, n_mask, zshift, ss_g, sz_g)
+    return (16.0 + z) * s
+
+
+@triton.jit
+def int4_zero_scale(S, QZ, g, n, n_mask, zshift, ss_g, sz_g):
+    """(z, s) per column n of int4 group g in float32: AutoGPTQ's stored zero plus one, and the scale."""
     s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
     zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
-    return (16.0 + (((zw >> zshift) & 15) + 1).to(tl.float32)) * s
+    return (((zw >> zshift) & 15) + 1).to(tl.float32), s
 
 
 @triton.jit

@@ -25,6 +25,7 @@ from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import (
     dense_rows,
     int4_tail_unroll,
+    int4_zero_scale,
     prefetch_tiles,
     programs_per_sm,
     split_buffers,
@@ -171,9 +172,8 @@ def _gemv_gptq_a8_kernel(
         xs = tl.zeros([RBLOCK], dtype=tl.float32)
         for c in range(lo, hi, RBLOCK):
             xs += tl.load(RS + c + bb, mask=c + bb < hi, other=0.0)
-        s = tl.load(S + g * ss_g + n, mask=n_mask, other=0.0).to(tl.float32)
-        zw = tl.load(QZ + g * sz_g + n // 8, mask=n_mask, other=0)
-        corr += (((zw >> zshift) & 15) + 1).to(tl.float32) * s * tl.sum(xs, axis=0)
+        z, s = int4_zero_scale(S, QZ, g, n, n_mask, zshift, ss_g, sz_g)
+        corr += z * s * tl.sum(xs, axis=0)
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(acc2, axis=0) - corr, HAS_BIAS, SPLIT, UNROLL)
 
 
