@@ -35,12 +35,12 @@ def _quantized_on_host(fmt: str, n: int, k: int, seed: int):
 
 
 def random_kquant(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """A Q4_K / Q6_K weight of random bytes: every scale, min and quant pattern, Q6_K's negative scales, and fp16 d /
+    """A Q4_K / Q5_K / Q6_K weight of random bytes: every scale, min and quant pattern, Q6_K's negative scales, and fp16 d /
     dmin of both signs, zero in every fourth super-block (what llama.cpp's files hold and our quantizer never writes)."""
     gen = torch.Generator().manual_seed(seed)
     nb, nbytes = k // GGUF_SUPER, GGUF_BYTES[fmt]
     raw = torch.randint(0, 256, (n, nb, nbytes), generator=gen, dtype=torch.uint8)
-    for at in (0, 2) if fmt == "gguf_q4_k" else (208,):
+    for at in (208,) if fmt == "gguf_q6_k" else (0, 2):
         d = (torch.rand(n, nb, generator=gen) - 0.3) * 0.01
         d[:, ::4] = 0.0
         raw[..., at : at + 2] = d.half().view(torch.uint8).reshape(n, nb, 2)

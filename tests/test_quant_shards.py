@@ -10,10 +10,21 @@ import torch
 
 from polyfuse.distributed.sharding import Shard
 from polyfuse.engine.quant_shards import cannot_split, take
-from polyfuse.ops.quant_formats import QuantizedWeight, components, dequantize, quantize
+from polyfuse.ops.quant_formats import K_QUANTS, QuantizedWeight, components, dequantize, quantize
 
 
-FORMATS = ["int8", "fp8", "fp8_block", "int4", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q6_k"]
+FORMATS = [
+    "int8",
+    "fp8",
+    "fp8_block",
+    "int4",
+    "gguf_q8_0",
+    "gguf_q4_0",
+    "gguf_q4_1",
+    "gguf_q4_k",
+    "gguf_q5_k",
+    "gguf_q6_k",
+]
 N, K = 48, 512
 
 SHARDS = [
@@ -47,7 +58,7 @@ def test_a_ranks_slice_dequantizes_to_its_part_of_the_whole(fmt, shard):
     torch.manual_seed(0)
     w = torch.randn(N, K) * torch.linspace(0.5, 2.0, K)
     qw = quantize(fmt, w)
-    if fmt in ("gguf_q4_k", "gguf_q6_k") and shard.blocks == ((0, 128), (384, 512)):  # inside 256-weight blocks
+    if fmt in K_QUANTS and shard.blocks == ((0, 128), (384, 512)):  # inside 256-weight blocks
         assert "one entry per 256 input columns" in cannot_split(fmt, shard, qw.group_size)
         return
     assert cannot_split(fmt, shard, qw.group_size) is None

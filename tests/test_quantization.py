@@ -88,7 +88,7 @@ def test_gptq_packing_is_autogptqs_and_round_trips():
 
 @pytest.mark.parametrize("fmt,bound", [("int8", 0.009), ("fp8", 0.03), ("fp8_block", 0.03), ("int4", 0.12),
                                        ("gguf_q8_0", 0.01), ("gguf_q4_0", 0.12), ("gguf_q4_1", 0.12),
-                                       ("gguf_q4_k", 0.12), ("gguf_q6_k", 0.03)])  # fmt: skip
+                                       ("gguf_q4_k", 0.12), ("gguf_q5_k", 0.06), ("gguf_q6_k", 0.03)])  # fmt: skip
 def test_quantize_dequantize_error_and_layout(fmt, bound):
     gen = torch.Generator().manual_seed(1)
     n, k = 48, 320 if fmt not in qf.K_QUANTS else 512  # K: a partial int4 group and fp8 block
@@ -110,7 +110,7 @@ def test_gguf_dequantization_is_the_gguf_packages():
         assert np.array_equal(qf.dequantize(qw).numpy(), ref), fmt
 
 
-@pytest.mark.parametrize("fmt,ggml", [("gguf_q4_k", "Q4_K"), ("gguf_q6_k", "Q6_K")])
+@pytest.mark.parametrize("fmt,ggml", [("gguf_q4_k", "Q4_K"), ("gguf_q5_k", "Q5_K"), ("gguf_q6_k", "Q6_K")])
 def test_k_quant_dequantization_is_the_gguf_packages_on_any_bytes(fmt, ggml):
     """Super-blocks of random bytes (every scale, min and quant bit pattern; finite fp16 d / dmin) dequantize to the
     gguf package's values bit for bit, and so do the ones our quantizer writes (the layout llama.cpp reads)."""
@@ -118,7 +118,7 @@ def test_k_quant_dequantization_is_the_gguf_packages_on_any_bytes(fmt, ggml):
     gen = torch.Generator().manual_seed(5)
     n, nb, nbytes = 24, 3, qf.GGUF_BYTES[fmt]
     raw = torch.randint(0, 256, (n, nb, nbytes), generator=gen, dtype=torch.uint8)
-    for at in (0, 2) if fmt == "gguf_q4_k" else (208,):
+    for at in (208,) if fmt == "gguf_q6_k" else (0, 2):
         d = (torch.rand(n, nb, generator=gen) * 0.02 - 0.005).half()
         raw[..., at : at + 2] = d.view(torch.uint8).reshape(n, nb, 2)
     raw = raw.reshape(n, nb * nbytes)
@@ -154,8 +154,10 @@ def test_cannot_pack():
         "gguf_q4_0",
         "gguf_q4_1",
         "gguf_q4_k",
+        "gguf_q5_k",
         "gguf_q6_k",
         "random_q4_k",
+        "random_q5_k",
         "random_q6_k",
     ],
 )
@@ -626,6 +628,27 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
                        "model.layers.0.mlp.down_proj": "gguf_q6_k"}  # fmt: skip
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "fused parts have different GGUF types (Q4_K, Q6_K)" in lines[0], lines
+    assert rel(logits(kept), logits(dense)) < 1e-5
+    ids = torch.tensor([[5, 17, 9, 42]])
+    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
+    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+
+
+def test_gguf_q5_k_m_file_runs_every_projection_quantized(tmp_path, caplog):
+    """A Q5_K_M-style file: q/k/v, o and gate/up Q5_K, down Q6_K: every projection kept (q/k/v fused in one Q5_K
+    weight), no warning, the dequantized model's logits and greedy tokens."""
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    model = LlamaForCausalLM.from_config(cfg, seed=6)
+    types = dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"), "Q5_K")
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, {**types, "down_proj": "Q6_K"})
+    dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+    formats = {n.split(".")[-1]: m.format for n, m in qz.quantized_modules(kept).items()}
+    assert formats == {"qkv_proj": "gguf_q5_k", "o_proj": "gguf_q5_k", "gate_up_proj": "gguf_q5_k",
+                       "down_proj": "gguf_q6_k"}  # fmt: skip
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert rel(logits(kept), logits(dense)) < 1e-5
     ids = torch.tensor([[5, 17, 9, 42]])
     out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)

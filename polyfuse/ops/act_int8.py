@@ -1,4 +1,4 @@
-"""int8 activations in blocks of 32 values: the torch reference of what the W4A8 one-row GEMV computes.
+"""int8 activations in blocks of 32 values: the torch reference of what the W4A8 one-row GEMVs compute.
 
 ``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
 integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
@@ -18,6 +18,10 @@ import torch
 # The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
 # and tests may change; the backend report reads this one).
 REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
+# The same for GGUF Q4_K / Q5_K (backends/triton/gemv_kquant_a8.py), as llama.cpp's CUDA backend runs them by
+# default: POLYFUSE_GGUF_A8=1.
+GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
+KQUANT_A8 = ("gguf_q4_k", "gguf_q5_k")
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
 
@@ -29,6 +33,11 @@ def takes(qweight) -> bool:
     if qweight.format != "int4" or qweight.act_order or k % BLOCK or qweight.group_size <= 0:
         return False
     return qweight.group_size >= k or qweight.group_size % BLOCK == 0
+
+
+def takes_kquant(qweight) -> bool:
+    """Whether a packed weight has the K-quant W4A8 / W5A8 GEMV: GGUF Q4_K or Q5_K (K is whole super-blocks)."""
+    return qweight.format in KQUANT_A8
 
 
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

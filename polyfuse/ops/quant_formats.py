@@ -25,6 +25,9 @@ format         components (module buffer: dtype [shape]) and value of weight [n,
 ``gguf_q4_k``  qweight: uint8 [N, K / 256 * 144]: llama.cpp's super-blocks of 256 (8 sub-blocks of 32): fp16 d,
                fp16 dmin, 12 bytes of 6-bit scales sc and mins m per sub-block, 128 bytes of nibbles (byte 32 j + l:
                weight 64 j + l low, 64 j + 32 + l high); w = (d * sc) * q - (dmin * m)
+``gguf_q5_k``  qweight: uint8 [N, K / 256 * 176]: as Q4_K with a fifth bit per weight: fp16 d, fp16 dmin, the 12 scale
+               bytes, 32 bytes qh (bit s of byte l: weight 32 s + l's), 128 bytes of low nibbles laid out as Q4_K's;
+               w = (d * sc) * q - (dmin * m), q = 0..31
 ``gguf_q6_k``  qweight: uint8 [N, K / 256 * 210]: 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8
                scales (one per 16 weights), fp16 d last; w = (d * sc) * (q - 32)
 =============  =========================================================================================================
@@ -50,10 +53,11 @@ INT4_GROUP = 128
 GGUF_BLOCK = 32
 GGUF_SUPER = 256  # the K-quants' super-block
 # GGUF kept types: bytes per block, weights per block, and the ggml type name.
-GGUF_BYTES = {"gguf_q8_0": 34, "gguf_q4_0": 18, "gguf_q4_1": 20, "gguf_q4_k": 144, "gguf_q6_k": 210}
-GGUF_WEIGHTS = {"gguf_q8_0": 32, "gguf_q4_0": 32, "gguf_q4_1": 32, "gguf_q4_k": GGUF_SUPER, "gguf_q6_k": GGUF_SUPER}
-GGUF_TYPES = {"Q8_0": "gguf_q8_0", "Q4_0": "gguf_q4_0", "Q4_1": "gguf_q4_1", "Q4_K": "gguf_q4_k", "Q6_K": "gguf_q6_k"}
-K_QUANTS = ("gguf_q4_k", "gguf_q6_k")
+GGUF_BYTES = {"gguf_q8_0": 34, "gguf_q4_0": 18, "gguf_q4_1": 20, "gguf_q4_k": 144, "gguf_q5_k": 176, "gguf_q6_k": 210}
+K_QUANTS = ("gguf_q4_k", "gguf_q5_k", "gguf_q6_k")
+GGUF_WEIGHTS = {"gguf_q8_0": 32, "gguf_q4_0": 32, "gguf_q4_1": 32, **dict.fromkeys(K_QUANTS, GGUF_SUPER)}
+GGUF_TYPES = {"Q8_0": "gguf_q8_0", "Q4_0": "gguf_q4_0", "Q4_1": "gguf_q4_1", "Q4_K": "gguf_q4_k", "Q5_K": "gguf_q5_k",
+              "Q6_K": "gguf_q6_k"}  # fmt: skip
 
 DESCRIPTIONS = {
     "int8": "int8 weight-only, per-channel scales",
@@ -64,6 +68,7 @@ DESCRIPTIONS = {
     "gguf_q4_0": "GGUF Q4_0 blocks as stored (32 x 4 bit + fp16 scale)",
     "gguf_q4_1": "GGUF Q4_1 blocks as stored (32 x 4 bit + fp16 scale and min)",
     "gguf_q4_k": "GGUF Q4_K super-blocks as stored (256 x 4 bit, 6-bit scales and mins per 32)",
+    "gguf_q5_k": "GGUF Q5_K super-blocks as stored (256 x 5 bit, 6-bit scales and mins per 32)",
     "gguf_q6_k": "GGUF Q6_K super-blocks as stored (256 x 6 bit, int8 scales per 16)",
 }
 FORMATS = tuple(DESCRIPTIONS)
@@ -179,12 +184,17 @@ def q4_k_scales(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _k_quant_dequantize(fmt: str, raw: torch.Tensor) -> torch.Tensor:
     """float32 [N, blocks, 256] of K-quant super-blocks raw [N, blocks, bytes], in the reference's (llama.cpp's and
-    the gguf package's) order of operations: (d * sc) * q, minus dmin * m for Q4_K."""
-    if fmt == "gguf_q4_k":
+    the gguf package's) order of operations: (d * sc) * q, minus dmin * m for Q4_K / Q5_K."""
+    if fmt in ("gguf_q4_k", "gguf_q5_k"):
         d, dmin = _fp16_at(raw, 0)[..., None], _fp16_at(raw, 2)[..., None]
         sc, m = q4_k_scales(raw[..., 4:16])
-        qs = raw[..., 16:144].reshape(*raw.shape[:2], 4, 32)
-        q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(*raw.shape[:2], 8, 32).float()  # sub-block 2j: low
+        five = fmt == "gguf_q5_k"
+        qs = raw[..., 48 if five else 16 :].reshape(*raw.shape[:2], 4, 32).to(torch.int32)
+        q = torch.stack([qs & 15, qs >> 4], dim=3).reshape(*raw.shape[:2], 8, 32)  # sub-block 2j: low nibbles
+        if five:  # bit s of qh byte l: the fifth bit of sub-block s's weight l
+            qh = raw[..., 16:48].to(torch.int32)[..., None, :]
+            q = q | (((qh >> torch.arange(8, dtype=torch.int32, device=raw.device)[:, None]) & 1) << 4)
+        q = q.float()
         return ((d * sc.float())[..., None] * q - (dmin * m.float())[..., None]).flatten(-2)
     ql = raw[..., 0:128].reshape(*raw.shape[:2], 2, 1, 64).to(torch.int32)
     qh = raw[..., 128:192].reshape(*raw.shape[:2], 2, 1, 32).to(torch.int32)
@@ -371,24 +381,29 @@ def _quantize_k(fmt: str, w: torch.Tensor) -> torch.Tensor:
     own quantizer searches its scales, which this does not), in the layout its files have."""
     n, k = w.shape
     blocks = w.reshape(n, k // GGUF_SUPER, GGUF_SUPER)
-    if fmt == "gguf_q4_k":
+    if fmt in ("gguf_q4_k", "gguf_q5_k"):
+        top = 31 if fmt == "gguf_q5_k" else 15
         sub = blocks.reshape(*blocks.shape[:2], 8, 32)
         lo, hi = sub.amin(-1).clamp(max=0.0), sub.amax(-1).clamp(min=0.0)
-        scale, mins = (hi - lo) / 15.0, -lo
+        scale, mins = (hi - lo) / top, -lo
         d = (scale.amax(-1) / 63.0).half().float().clamp(min=2**-24)  # fp16 as stored (2^-24: its smallest step)
         dmin = (mins.amax(-1) / 63.0).half().float().clamp(min=2**-24)
         sc = torch.round(scale / d[..., None]).clamp(0, 63)
         m = torch.round(mins / dmin[..., None]).clamp(0, 63)
         step = (d[..., None] * sc).clamp(min=1e-30)
-        q = torch.round((sub + (dmin[..., None] * m)[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32)
+        q = torch.round((sub + (dmin[..., None] * m)[..., None]) / step[..., None]).clamp(0, top).to(torch.int32)
         sc, m = sc.to(torch.int32), m.to(torch.int32)
         packed = torch.cat([
             (sc[..., :4] | ((sc[..., 4:] >> 4) << 6)), (m[..., :4] | ((m[..., 4:] >> 4) << 6)),
             (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4),
         ], dim=-1).to(torch.uint8)  # fmt: skip
-        pairs = q.reshape(*q.shape[:2], 4, 2, 32)
+        pairs = q.reshape(*q.shape[:2], 4, 2, 32) & 15
         qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).to(torch.uint8).flatten(-2)
-        raw = torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), packed, qs], dim=-1)
+        qh = []
+        if top == 31:  # bit s of byte l: sub-block s's weight l's fifth bit
+            bits = (q >> 4) << torch.arange(8, dtype=torch.int32, device=w.device)[:, None]
+            qh = [bits.sum(-2).to(torch.uint8)]
+        raw = torch.cat([_fp16_bytes(d), _fp16_bytes(dmin), packed, *qh, qs], dim=-1)
     else:
         sub = blocks.reshape(*blocks.shape[:2], 16, 16)
         scale = sub.abs().amax(-1) / 31.0

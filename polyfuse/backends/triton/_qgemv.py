@@ -144,6 +144,14 @@ TILES = {
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
     "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py; session 16)
+    "gguf_q5_k": (1, 1024, 1, 3),  # session 18: 8B per layer 183 -> 133 us against Q4_K's tile
+    "gguf_q4_k_a8": (
+        2,
+        2048,
+        1,
+        3,
+    ),  # gemv_kquant_a8.py (POLYFUSE_GGUF_A8=1), swept on the 8B projections (session 18)
+    "gguf_q5_k_a8": (2, 2048, 1, 4),
     "gguf_q6_k": (2, 512, 1, 3),
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
@@ -164,6 +172,10 @@ TILES = {
 # 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
 # same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
 SHAPE_TILES = {
+    ("gguf_q4_k_a8", 6144, 4096): (4, 1024, 1, 4),
+    ("gguf_q4_k_a8", 4096, 4096): (2, 1024, 1, 3),
+    ("gguf_q4_k_a8", 4096, 14336): (1, 2048, 1, 3),
+    ("gguf_q5_k_a8", 6144, 4096): (4, 1024, 1, 4),
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 28672, 4096): (32, 256, 4, 3),
@@ -214,6 +226,10 @@ SHAPE_TILES = {
 # fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these. An
 # entry applies whatever tile a call runs (POLYFUSE_QGEMV_TILES or a sweep's), though it was measured with its own.
 PROGRAMS_PER_SM = {
+    ("gguf_q4_k_a8", 28672, 4096): 8,  # session 18's sweep with the tiles above (the others: the default 2)
+    ("gguf_q4_k_a8", 4096, 14336): 8,
+    ("gguf_q5_k_a8", 6144, 4096): 8,
+    ("gguf_q5_k_a8", 28672, 4096): 4,
     ("int4", 6144, 4096): 4,
     ("int4", 4096, 4096): 8,
     ("int4", 28672, 4096): 16,

@@ -1,7 +1,8 @@
 """One row of activations quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py has the arithmetic), in the
-layout the W4A8 GEMV (gemv_gptq_a8.py) reads: for word row r (values 8r .. 8r + 7) XW[2r] holds the bytes of values
-8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and the odd nibbles of
-an int4 word, lined up for two integer dot products); for block b (values 32b .. 32b + 31) DX[b] holds the scale d and
+layout the W4A8 GEMV reads. For AutoGPTQ's int4 (gemv_gptq_a8.py), for word row r (values 8r .. 8r + 7) XW[2r] holds
+the bytes of values 8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and
+the odd nibbles of an int4 word, lined up for two integer dot products); for the GGUF K-quants (gemv_kquant_a8.py,
+``natural``) XW[i] holds values 4i .. 4i + 3 in order, as their quant bytes hold consecutive weights. For block b (values 32b .. 32b + 31) DX[b] holds the scale d and
 RS[b] = d * sum q (the block's dequantized sum, for the weights' zero points).
 
 Three producers write it, each as its own kernel so the GEMV after it can launch first (_pdl.launch_then_wait) and
@@ -36,8 +37,9 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def store_int8_blocks(v, b0, NB, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    """float32 values v [BLOCK] of blocks b0 .. b0 + BLOCK / 32 - 1 (zeros past the row's NB blocks) -> XW, DX, RS."""
+def store_int8_blocks(v, b0, NB, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.constexpr, NATURAL: tl.constexpr):
+    """float32 values v [BLOCK] of blocks b0 .. b0 + BLOCK / 32 - 1 (zeros past the row's NB blocks) -> XW, DX, RS
+    (NATURAL: XW's words in the values' order, else the int4 GEMV's even / odd words)."""
     v2 = tl.reshape(v, [BLOCK // 32, 32])
     amax = tl.max(tl.abs(v2), axis=1)
     live = amax >= _TINY
@@ -52,16 +54,31 @@ def store_int8_blocks(v, b0, NB, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.conste
     b = b0 + tl.arange(0, BLOCK // 32)
     tl.store(DX + b, d, mask=b < NB)
     tl.store(RS + b, d * tl.sum(q, axis=1).to(tl.float32), mask=b < NB)
-    even, odd = tl.split(tl.reshape(q, [BLOCK // 8, 4, 2]))
     shift = 8 * tl.arange(0, 4)[None, :]
-    words = tl.join(tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1))
+    if NATURAL:
+        words = tl.sum((tl.reshape(q, [BLOCK // 4, 4]) & 0xFF) << shift, axis=1)
+    else:
+        even, odd = tl.split(tl.reshape(q, [BLOCK // 8, 4, 2]))
+        words = tl.reshape(
+            tl.join(tl.sum((even & 0xFF) << shift, axis=1), tl.sum((odd & 0xFF) << shift, axis=1)), [BLOCK // 4]
+        )
     w = 8 * b0 + tl.arange(0, BLOCK // 4)
-    tl.store(XW + w, tl.reshape(words, [BLOCK // 4]), mask=w < 8 * NB)
+    tl.store(XW + w, words, mask=w < 8 * NB)
 
 
 @triton.jit
 def _quantize_kernel(
-    X, U, XW, DX, RS, K, SWIGLU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr
+    X,
+    U,
+    XW,
+    DX,
+    RS,
+    K,
+    SWIGLU: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr,
+    NATURAL: tl.constexpr,
 ):
     launch_then_wait(PDL)
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -69,12 +86,25 @@ def _quantize_kernel(
     if SWIGLU:  # silu(gate) * up rounded once to the row's dtype, as swiglu.py stores it
         u = tl.load(U + k, mask=k < K, other=0.0).to(tl.float32)
         v = cast_rne(v * tl.sigmoid(v) * u, X.dtype.element_ty).to(tl.float32)
-    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 32), K // 32, XW, DX, RS, BLOCK, ASM)
+    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 32), K // 32, XW, DX, RS, BLOCK, ASM, NATURAL)
 
 
 @triton.jit
 def _norm_quantize_kernel(
-    X, RES, R, W, XW, DX, RS, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr
+    X,
+    RES,
+    R,
+    W,
+    XW,
+    DX,
+    RS,
+    H,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr,
+    NATURAL: tl.constexpr,
 ):
     launch_then_wait(PDL)
     k = tl.arange(0, BLOCK)
@@ -87,7 +117,8 @@ def _norm_quantize_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
     xn = cast_rne(x * rstd, X.dtype.element_ty).to(tl.float32)
     w = tl.load(W + k, mask=mask, other=0.0).to(tl.float32)
-    store_int8_blocks(cast_rne(w * xn, X.dtype.element_ty).to(tl.float32), 0, H // 32, XW, DX, RS, BLOCK, ASM)
+    xn = cast_rne(w * xn, X.dtype.element_ty).to(tl.float32)
+    store_int8_blocks(xn, 0, H // 32, XW, DX, RS, BLOCK, ASM, NATURAL)
 
 
 CHUNK = 1024  # values per program of the plain / SwiGLU kernel
@@ -101,24 +132,24 @@ def _outputs(k: int, device):
     return xw, dx, torch.empty_like(dx)
 
 
-def quantize_row(x: torch.Tensor, up=None):
+def quantize_row(x: torch.Tensor, up=None, natural: bool = False):
     """x [K] or [1, K] (dense; the gate with ``up`` of its dtype for SwiGLU) -> (xw int32 [K / 4], dx, rs float32
-    [K / 32])."""
+    [K / 32]); ``natural``: the K-quant GEMV's word order."""
     k = x.shape[-1]
     if x.numel() != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
         raise ValueError("quantize_row: one row (and up of its shape and dtype)")
     xw, dx, rs = _outputs(k, x.device)
     block = min(CHUNK, triton.next_power_of_2(k))
     _quantize_kernel[(triton.cdiv(k, block),)](
-        x, up if up is not None else x, xw, dx, rs, k, SWIGLU=up is not None, BLOCK=block, ASM=PTX, num_warps=4,
-        **pdl_options(x.device),
+        x, up if up is not None else x, xw, dx, rs, k, SWIGLU=up is not None, BLOCK=block, ASM=PTX, NATURAL=natural,
+        num_warps=4, **pdl_options(x.device),
     )  # fmt: skip
     return xw, dx, rs
 
 
-def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float):
+def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural: bool = False):
     """add + RMSNorm of one dense row x [H] (residual: [H] or None; weight of x's dtype), quantized ->
-    (xw, dx, rs, x + residual in x's dtype, or x itself without a residual)."""
+    (xw, dx, rs, x + residual in x's dtype, or x itself without a residual); ``natural`` as quantize_row's."""
     h = x.shape[-1]
     if x.numel() != h:
         raise ValueError("norm_quantize_row: one row")
@@ -127,6 +158,7 @@ def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: floa
     block, num_warps = _launch_params(h)  # rms_norm.py's: the same sum of squares, in the same order
     _norm_quantize_kernel[(1,)](
         x, residual if residual is not None else x, r, weight, xw, dx, rs, h, float(eps),
-        HAS_RES=residual is not None, BLOCK=block, ASM=PTX, num_warps=num_warps, **pdl_options(x.device),
+        HAS_RES=residual is not None, BLOCK=block, ASM=PTX, NATURAL=natural, num_warps=num_warps,
+        **pdl_options(x.device),
     )  # fmt: skip
     return xw, dx, rs, r

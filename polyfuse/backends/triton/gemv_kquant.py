@@ -1,4 +1,4 @@
-"""One-row GEMV reading GGUF Q4_K / Q6_K super-blocks as the file stores them (kept quantized at load).
+"""One-row GEMV reading GGUF Q4_K / Q5_K / Q6_K super-blocks as the file stores them (kept quantized at load).
 
 A row of the weight is K / 256 super-blocks (quant_formats.py has the layouts). Each program owns BLOCK_N rows and
 walks its share of the row's super-blocks BLOCK_B at a time (block_k / 256 of the tile), loading the quant bytes as
@@ -7,6 +7,8 @@ runs of consecutive bytes, summing q x over each run and applying the run's scal
 * Q4_K: quant byte 32 j + l holds weight 64 j + l (low nibble, sub-block 2 j) and the weight 32 after it (high
   nibble, sub-block 2 j + 1); w = (d sc) q - dmin m: the run adds d sc sum(q x) - dmin m sum(x), with the 6-bit sc
   and m decoded per run, not per weight.
+* Q5_K: Q4_K's runs and scales, the nibbles 32 bytes further on; the fifth bit of weight 64 j + l (and of the one 32
+  after it) is bit 2 j (2 j + 1) of qh byte l.
 * Q6_K: ql byte 64 h + c holds weight 128 h + c (low nibble) and weight 128 h + c + 64 (high); their 2 high bits are
   bits 2 (c // 32) and 2 (c // 32) + 4 of qh byte 32 h + c % 32; a run of 16 shares one int8 scale.
 
@@ -40,6 +42,20 @@ def q4_k_scale_min(W, base, sb, mask):
 
 
 @triton.jit
+def q45_k_quants(W, base, j, r, mask, Q5: tl.constexpr):
+    """(q_lo, q_hi) int32 of Q4_K / Q5_K quant byte 32 j + r of the super-blocks at byte ``base``: the weights
+    64 j + r (low nibble) and 32 further (high), with Q5_K's fifth bits from qh byte r (bits 2 j and 2 j + 1)."""
+    qs = tl.load(W + base + (48 if Q5 else 16) + 32 * j + r, mask=mask, other=0).to(tl.int32)
+    q_lo = qs & 15
+    q_hi = qs >> 4
+    if Q5:
+        qh = tl.load(W + base + 16 + r, mask=mask, other=0).to(tl.int32) >> (2 * j)
+        q_lo |= (qh & 1) << 4
+        q_hi |= (qh & 2) << 3
+    return q_lo, q_hi
+
+
+@triton.jit
 def q6_k_quants(W, base, h, c, mask):
     """(q_lo, q_hi) float32, minus 32, of Q6_K's ql bytes 64 h + c of the super-blocks at byte ``base`` (the weights
     128 h + c and 64 further), their 2 high bits from qh byte 32 h + c % 32 (bits 2 (c // 32) and 4 above them)."""
@@ -53,10 +69,10 @@ def q6_k_quants(W, base, h, c, mask):
 @triton.jit
 def _gemv_kquant_kernel(
     X, U, W, W8, W16, B, Y, WS, CNT, N, NB, row_bytes, nb_per_split,
-    SWIGLU: tl.constexpr, Q6: tl.constexpr, BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
+    SWIGLU: tl.constexpr, Q5: tl.constexpr, Q6: tl.constexpr, BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
     BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, G runs, L bytes]: Q4_K G = 4 BLOCK_B (a super-block's 4 runs of 32 quant bytes, each
+    """Tiles [BLOCK_N rows, G runs, L bytes]: Q4_K (and Q5_K) G = 4 BLOCK_B (a super-block's 4 runs of 32 quant bytes, each
     byte two weights 32 apart, of sub-blocks 2 j and 2 j + 1), L = 32; Q6_K G = 8 BLOCK_B (a super-block's 2 halves x
     4 runs of 16 ql bytes, each byte two weights 64 apart with one scale per run), L = 16. Each run's sums of q x
     (and, for Q4_K's mins, of x) are scaled once per run; every tensor is built 3-D, so the scales and activations
@@ -99,7 +115,7 @@ def _gemv_kquant_kernel(
             acc += s_lo * dot_lo + s_hi * dot_hi
         else:
             j = gg % 4
-            qs = tl.load(W + base + 16 + 32 * j + r, mask=m, other=0).to(tl.int32)
+            q_lo, q_hi = q45_k_quants(W, base, j, r, m, Q5)
             kx = sb * 256 + 64 * j + r
             x_lo = load_x(X, U, kx, g_mask, SWIGLU)
             x_hi = load_x(X, U, kx + 32, g_mask, SWIGLU)
@@ -107,8 +123,8 @@ def _gemv_kquant_kernel(
             sc_hi, m_hi = q4_k_scale_min(W, base, 2 * j + 1, m)
             d = tl.load(W16 + base // 2, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
             dmin = tl.load(W16 + base // 2 + 1, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            dot_lo = tl.sum((qs & 15).to(tl.float32) * x_lo, axis=2, keep_dims=True)
-            dot_hi = tl.sum((qs >> 4).to(tl.float32) * x_hi, axis=2, keep_dims=True)
+            dot_lo = tl.sum(q_lo.to(tl.float32) * x_lo, axis=2, keep_dims=True)
+            dot_hi = tl.sum(q_hi.to(tl.float32) * x_hi, axis=2, keep_dims=True)
             xs_lo = tl.sum(x_lo, axis=2, keep_dims=True)
             xs_hi = tl.sum(x_hi, axis=2, keep_dims=True)
             acc += d * (sc_lo * dot_lo + sc_hi * dot_hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
@@ -134,7 +150,7 @@ def gemv_kquant(x, up, qw, bias=None, tiles=None, split=None):
     _gemv_kquant_kernel[(grid_n, split)](
         x, up if up is not None else x, w, w.view(torch.int8), w.view(torch.int16), bias if bias is not None else y,
         y, ws, cnt, n, nb, w.stride(0), per,
-        SWIGLU=up is not None, Q6=qw.format == "gguf_q6_k", BYTES=nbytes, HAS_BIAS=bias is not None, SPLIT=split,
+        SWIGLU=up is not None, Q5=qw.format == "gguf_q5_k", Q6=qw.format == "gguf_q6_k", BYTES=nbytes, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
     )  # fmt: skip
     return y

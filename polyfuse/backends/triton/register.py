@@ -13,6 +13,7 @@ from polyfuse.core.context import SelectionContext
 from polyfuse.core.plugins import lazy_function
 from polyfuse.core.registry import Implementation
 from polyfuse.core.registry import register as register_impl
+from polyfuse.ops.act_int8 import GGUF_REQUESTED as GGUF_A8
 from polyfuse.ops.act_int8 import REQUESTED as INT4_A8
 
 
@@ -107,9 +108,12 @@ def implementations() -> list[Implementation]:
     ]
 
 
-A8_NOTE = "; int4 on int8 activations (W4A8, dp4a: POLYFUSE_INT4_A8=1)" if INT4_A8 else ""
+A8_NOTE = ("; int4 on int8 activations (W4A8, dp4a: POLYFUSE_INT4_A8=1)" if INT4_A8 else "") + (
+    "; gguf_q4_k/q5_k on int8 activations (dp4a: POLYFUSE_GGUF_A8=1)" if GGUF_A8 else ""
+)
 QUANT_NOTE = (
-    "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q6_k in its loads" + A8_NOTE
+    "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q5_k/q6_k in its loads"
+    + A8_NOTE
 )
 GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
@@ -130,8 +134,10 @@ SWIGLU_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: silu(gate) * up quantized to e4m3 per token in one Triton kernel + "
     "torch._scaled_mm"
 )
-NORM_GEMV_NOTE = "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV" + (
-    " (the norm's kernel quantizing its row to int8: W4A8)" if INT4_A8 else ""
+NORM_GEMV_NOTE = (
+    "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV"
+    + (" (the norm's kernel quantizing its row to int8: W4A8)" if INT4_A8 else "")
+    + ("; gguf_q4_k/q5_k: the norm's kernel quantizing its row to int8, then the A8 GEMV" if GGUF_A8 else "")
 )
 NORM_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: the norm's rows quantized to e4m3 per token in the norm's kernel + "

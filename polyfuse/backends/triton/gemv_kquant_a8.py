@@ -1,0 +1,158 @@
+"""One-row GEMV on GGUF Q4_K / Q5_K super-blocks times int8 activations, on integer dot products (``dp4a``).
+
+Opt-in (``POLYFUSE_GGUF_A8=1``, read at import; a module attribute, so benchmarks can switch it), as llama.cpp's CUDA
+backend runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
+(polyfuse/ops/act_int8.py has the arithmetic; act_int8.py here writes it in natural order), and a K-quant sub-block of
+32 weights lines up with one such block. gemv_kquant.py converts every weight to float and multiplies it with a float
+activation (about 1.1 TB/s of packed bytes on the H200, slower than bf16 cuBLAS); here one 32-bit word of quant bytes
+holds four consecutive weights in its low nibbles (sub-block 2 j) and four in its high ones (2 j + 1, 32 further on):
+two masks, two ``dp4a`` against two activation words. Q5_K ors its fifth bits (bit 2 j and 2 j + 1 of each qh byte,
+shifted over the whole word: bit 2 j + t of byte b lands on bit t of byte b) in before the dot.
+
+Per sub-block: (d sc) d_x sum q q_x - (dmin m) d_x sum q_x, the last factor the block's RS (act_int8.py): the
+integer sums are exact, the rest float32. Each super-block's header is read as four words and its 16 scales and mins
+decoded in registers (gemv_kquant.py loads six scale bytes per run); split-K with the last program adding the partials (_qgemv.store_out).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from polyfuse.backends.triton._pdl import pdl_options, wait_prior
+from polyfuse.backends.triton._qgemv import programs_per_sm, split_buffers, split_plan, store_out, tiles_for
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_kquant
+from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
+
+
+ENABLED = GGUF_REQUESTED
+
+
+@triton.jit
+def _dp4a(w, x, ASM: tl.constexpr):
+    """sum_i w_i x_i over the four bytes of int32 words: w's unsigned, x's signed; exact int32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [w, x], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:  # the interpreter
+        acc = tl.zeros_like(w)
+        for j in tl.static_range(4):
+            acc += ((w >> (8 * j)) & 0xFF) * ((x << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@triton.jit
+def _scale_min(s0, s1, s2, s):
+    """(sc, m) float32 of sub-block(s) ``s`` from the super-block's three scale words (bytes 4 .. 15): s < 4 the low 6
+    bits of byte s of s0 (scale) and s1 (min); s >= 4 the nibbles of byte s - 4 of s2 under the top 2 bits of byte
+    s - 4 of s0 / s1."""
+    t = 8 * (s % 4)
+    a = s0 >> t
+    b = s1 >> t
+    c = s2 >> t
+    low = s < 4
+    sc = tl.where(low, a & 63, (c & 15) | ((a >> 2) & 0x30))
+    m = tl.where(low, b & 63, ((c >> 4) & 15) | ((b >> 2) & 0x30))
+    return sc.to(tl.float32), m.to(tl.float32)
+
+
+@triton.jit
+def _fp16_half(w, HIGH: tl.constexpr):
+    """The float32 value of the low (or HIGH) fp16 half of int32 words."""
+    h = (w >> 16) if HIGH else w
+    return (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kquant_a8_kernel(
+    XW, DX, RS, W32, B, Y, WS, CNT, N, NB, row_words, nb_per_split,
+    Q5: tl.constexpr, WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """Tiles [BLOCK_N rows, BLOCK_B super-blocks, 4 runs, 8 words]: a super-block's header (d and dmin, the 12 scale
+    bytes) is four word loads, decoded in registers for its 4 runs; each run's 8 quant words hold sub-blocks 2 j (low
+    nibbles) and 2 j + 1 (high)."""
+    wait_prior(PDL)
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    n4 = n[:, None, None, None]
+    b_start = tl.program_id(1) * nb_per_split
+    b_end = tl.minimum(NB, b_start + nb_per_split)
+    bb = tl.arange(0, BLOCK_B)[None, :, None, None]
+    j = tl.arange(0, 4)[None, None, :, None]
+    r = tl.arange(0, 8)[None, None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_B, 4, 1], dtype=tl.float32)
+    for b0 in range(b_start, b_end, BLOCK_B):
+        sb = b0 + bb  # [1, BLOCK_B, 1, 1]
+        g_mask = sb < b_end
+        m = (n4 < N) & g_mask
+        wb = n4 * row_words + sb * WORDS  # the super-block's first word
+        hd = tl.load(W32 + wb, mask=m, other=0)
+        s0 = tl.load(W32 + wb + 1, mask=m, other=0)
+        s1 = tl.load(W32 + wb + 2, mask=m, other=0)
+        s2 = tl.load(W32 + wb + 3, mask=m, other=0)
+        qs = tl.load(W32 + wb + (12 if Q5 else 4) + 8 * j + r, mask=m, other=0)  # run j: words 8 j + r
+        lo = qs & 0x0F0F0F0F
+        hi = (qs >> 4) & 0x0F0F0F0F
+        if Q5:
+            qh = tl.load(W32 + wb + 4 + r, mask=m, other=0) >> (2 * j)
+            lo |= (qh & 0x01010101) << 4
+            hi |= (qh & 0x02020202) << 3
+        xw = sb * 64 + 16 * j + r  # activation words of weights 256 sb + 64 j + 4 r ..
+        x_lo = tl.load(XW + xw, mask=g_mask, other=0)
+        x_hi = tl.load(XW + xw + 8, mask=g_mask, other=0)
+        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3, keep_dims=True).to(tl.float32)
+        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3, keep_dims=True).to(tl.float32)
+        blk = sb * 8 + 2 * j  # activation block of sub-block 2 j
+        dx_lo = tl.load(DX + blk, mask=g_mask, other=0.0)
+        dx_hi = tl.load(DX + blk + 1, mask=g_mask, other=0.0)
+        rs_lo = tl.load(RS + blk, mask=g_mask, other=0.0)
+        rs_hi = tl.load(RS + blk + 1, mask=g_mask, other=0.0)
+        sc_lo, m_lo = _scale_min(s0, s1, s2, 2 * j)
+        sc_hi, m_hi = _scale_min(s0, s1, s2, 2 * j + 1)
+        d = _fp16_half(hd, False)
+        dmin = _fp16_half(hd, True)
+        acc += d * (sc_lo * (dx_lo * dot_lo) + sc_hi * (dx_hi * dot_hi)) - dmin * (m_lo * rs_lo + m_hi * rs_hi)
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
+
+
+def accepts(x: torch.Tensor, qw, up=None) -> bool:
+    """Whether the K-quant A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), Q4_K
+    or Q5_K (ops/act_int8.py ``takes_kquant``), a float activation dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU
+    interpreter."""
+    k = qw.shape[1]
+    if not ENABLED or not takes_kquant(qw) or x.numel() != k or x.shape[-1] != k:
+        return False
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        return False
+    if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
+
+
+def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+    """(xw, dx, rs) of one row in natural order (act_int8.py) @ dequantize(qw).T -> [1, N] in ``dtype`` (+ bias)."""
+    xw, dx, rs = xq
+    n, k = qw.shape
+    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format + "_a8", n, k)
+    block_b = max(1, block_k // GGUF_SUPER)
+    assert block_b & (block_b - 1) == 0, "block_k / 256 super-blocks per step: a power of 2"
+    w = qw.qweight
+    if w.stride(-1) != 1 or w.stride(0) % 4:
+        w = w.contiguous()
+    nb = k // GGUF_SUPER
+    nbytes = GGUF_BYTES[qw.format]
+    assert w.shape[1] == nb * nbytes and nbytes % 4 == 0
+    grid_n = triton.cdiv(n, block_n)
+    split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
+    y = torch.empty((1, n), dtype=dtype, device=xw.device)
+    ws, cnt = split_buffers(split, grid_n, n, xw.device)
+    _gemv_kquant_a8_kernel[(grid_n, split)](
+        xw, dx, rs, w.view(torch.int32), bias if bias is not None else y, y, ws, cnt, n, nb,
+        w.stride(0) // 4, per, Q5=qw.format == "gguf_q5_k", WORDS=nbytes // 4, HAS_BIAS=bias is not None,
+        SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b, ASM=PTX, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(xw.device),
+    )  # fmt: skip
+    return y

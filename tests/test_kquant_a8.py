@@ -1,0 +1,179 @@
+"""The opt-in GGUF Q4_K / Q5_K one-row GEMV on int8 activations (POLYFUSE_GGUF_A8=1): the activations quantized in
+blocks of 32 in natural order (backends/triton/act_int8.py ``natural``), the GEMV on integer dot products
+(backends/triton/gemv_kquant_a8.py). Bytes against the torch reference bit for bit, the GEMV against the float64
+product of the dequantized weight and activations, a tiny GGUF model's decode against the native model fed the same
+activations."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
+from quant_cases import random_kquant
+
+from polyfuse.core import registry
+from polyfuse.ops import quant_formats as qf
+from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
+
+
+pytest.importorskip("triton")
+
+from polyfuse.backends.triton import gemv_kquant_a8 as ka8  # noqa: E402
+from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def natural_words(q: torch.Tensor) -> torch.Tensor:
+    """Values 4i .. 4i + 3's bytes in word i, low byte first (int64)."""
+    b = q.reshape(-1, 4).to(torch.int64) & 0xFF
+    return (b << torch.tensor([0, 8, 16, 24], device=q.device)).sum(1)
+
+
+def assert_quantized_as(xq, x):
+    xw, dx, rs = xq
+    q, d = quantize_act_int8(x.reshape(-1))
+    assert torch.equal(xw.to(torch.int64) & 0xFFFFFFFF, natural_words(q))
+    assert torch.equal(dx, d)
+    assert torch.equal(rs, d * q.reshape(-1, 32).float().sum(1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_kernels_write_natural_order(device, dtype):
+    """The plain, SwiGLU and add + RMSNorm kernels with ``natural``: the reference's bytes in the values' order."""
+    from polyfuse.backends.triton.rms_norm import rms_norm_forward
+    from polyfuse.backends.triton.swiglu import swiglu_forward
+
+    gen = torch.Generator().manual_seed(1)
+    for k in (256, 2304):
+        x = (torch.randn(1, k, generator=gen) * 3).to(dtype)
+        x[0, :32] = 0.0
+        x[0, -7] = 250.0
+        x = x.to(device)
+        assert_quantized_as(quantize_row(x, natural=True), x)
+        g, u = ((torch.randn(1, k, generator=gen) * 2).to(dtype).to(device) for _ in range(2))
+        assert_quantized_as(quantize_row(g, u, natural=True), swiglu_forward(g, u))
+        res = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        w = torch.rand(k, generator=gen).to(dtype).to(device)
+        xw, dx, rs, total = norm_quantize_row(x, res, w, 1e-5, natural=True)
+        y, _, want = rms_norm_forward(x, w, 1e-5, res)
+        assert_quantized_as((xw, dx, rs), y)
+        assert torch.equal(total, want)
+
+
+def reference(x, qw, bias=None):
+    q, d = quantize_act_int8(x.reshape(-1))
+    out = dequantize_act_int8(q, d).double() @ qf.dequantize(qw).double().t()
+    return out if bias is None else out + bias.double()
+
+
+def _on(qw, device):
+    return dataclasses.replace(qw, qweight=qw.qweight.to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["gguf_q4_k", "gguf_q5_k"])
+def test_gemv_against_the_reference(device, fmt):
+    """Our packing and super-blocks of random bytes (every scale / min / fifth-bit pattern, negative and zero d),
+    N not a multiple of the row block, 1..5 splits, two super-blocks a step, bias: within 1e-5 of the largest
+    output of the float64 reference. Q5_K's fifth bits and Q4_K's mins are seen: a wrong one moves it far past."""
+    gen = torch.Generator().manual_seed(2)
+    for n, k, tiles in ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2))):
+        for qw in (qf.quantize(fmt, torch.randn(n, k, generator=gen) * 0.05), random_kquant(fmt, n, k, seed=n)):
+            qw = _on(qw, device)
+            x = (torch.randn(1, k, generator=gen) + 0.3).to(device)
+            bias = torch.randn(n, generator=gen).to(device)
+            xq = quantize_row(x, natural=True)
+            want = reference(x, qw, bias)
+            for split in (1, 2, 5):
+                with torch.inference_mode():
+                    got = ka8.gemv_kquant_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
+                err = (got.double() - want).abs().max().item()
+                assert err <= 1e-5 * want.abs().max().item(), (n, k, split, err)
+    raw = qw.qweight.view(n, -1, qf.GGUF_BYTES[fmt]).clone()
+    at = 16 if fmt == "gguf_q5_k" else 4  # a qh byte (the fifth bits) / a scale byte (scale and min of sub-block 0)
+    raw[:, :, at] ^= 0x21
+    bad = dataclasses.replace(qw, qweight=raw.view(n, -1))
+    assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
+
+
+def test_accepts_and_the_dispatch(monkeypatch):
+    """Off by default; with it on, one-row Q4_K / Q5_K linear_q, swiglu_linear_q and add_rms_norm_linear_q (the
+    gemv_q implementations) run the A8 kernel and give its numbers; Q6_K, other formats, several rows and an up of
+    another dtype are declined to the float-activation GEMV."""
+    from polyfuse.backends.triton import norm_gemv, quant_gemv
+    from polyfuse.backends.triton.swiglu import swiglu_forward
+
+    qw = qf.quantize("gguf_q5_k", torch.randn(48, 512) * 0.05)
+    x = torch.randn(1, 512)
+    monkeypatch.setattr(ka8, "ENABLED", False)
+    assert not ka8.accepts(x, qw)
+    assert norm_gemv.accepts_add_rms_norm_linear_q(x, x, torch.rand(512), 1e-6, qw) is not None
+    monkeypatch.setattr(ka8, "ENABLED", True)
+    assert ka8.accepts(x, qw) and ka8.accepts(x[:, :256].bfloat16(), qf.quantize("gguf_q4_k", torch.randn(8, 256)))
+    assert not ka8.accepts(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
+    assert not ka8.accepts(x, qf.quantize("int4", torch.randn(48, 512)))
+    assert not ka8.accepts(torch.randn(2, 512), qw)
+    assert not ka8.accepts(x, qw, up=torch.randn(1, 512).bfloat16())
+    calls = []
+    real = ka8.gemv_kquant_a8
+    monkeypatch.setattr(ka8, "gemv_kquant_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gate, up = torch.randn(1, 1, 512), torch.randn(1, 1, 512)
+    weight, res = torch.rand(512), torch.randn(1, 1, 512)
+    with torch.inference_mode():
+        got = quant_gemv.linear_q(x.view(1, 1, 512), qw)
+        assert torch.equal(got.view(1, -1), real(quantize_row(x, natural=True), qw, x.dtype))
+        got = quant_gemv.swiglu_linear_q(gate, up, qw)
+        want = real(quantize_row(swiglu_forward(gate, up), natural=True), qw, x.dtype)
+        assert torch.equal(got.view(1, -1), want)
+        assert norm_gemv.accepts_add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw) is None
+        out, total = norm_gemv.add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw)
+        xw, dx, rs, r = norm_quantize_row(x, res.view(1, 512), weight, 1e-6, natural=True)
+        assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
+        assert len(calls) == 3
+        quant_gemv.linear_q(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
+    assert len(calls) == 3
+
+
+def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
+    """Greedy decode of a tiny Q4_K / Q5_K GGUF (q/k/v and gate/up Q5_K, o Q4_K, down Q6_K) through the A8 path
+    against the native model whose Q4_K / Q5_K projections get the same int8 activations (bench/act_int8.py): the
+    same tokens, each one-row step's logits within float32 rounding; Q6_K stays on the float-activation GEMV."""
+    from polyfuse.bench.act_int8 import emulate_int8_activations_
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    types = {"q_proj": "Q5_K", "k_proj": "Q5_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "gate_proj": "Q5_K",
+             "up_proj": "Q5_K", "down_proj": "Q6_K"}  # fmt: skip
+    write_tiny_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM.from_config(cfg, seed=5), types)
+    ids = torch.tensor([[5, 17, 9, 42, 7]])
+    calls = []
+    real = ka8.gemv_kquant_a8
+    monkeypatch.setattr(ka8, "gemv_kquant_a8", lambda *a, **k: calls.append(a[1].format) or real(*a, **k))
+    runs, steps = {}, {}
+    for name in ("a8", "emulated"):
+        model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+        monkeypatch.setattr(ka8, "ENABLED", name == "a8")
+        logits = steps[name] = []
+        if name == "a8":
+            for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
+                setattr(model.kernels, op, registry.bound(op, "gemv_q"))
+        else:
+            emulate_int8_activations_(model)
+        forward = model.forward
+
+        def record(*a, _forward=forward, _logits=logits, **k):
+            out = _forward(*a, **k)
+            _logits.append(out.logits[:, -1].clone())
+            return out
+
+        model.forward = record
+        runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
+    # 3 one-row steps x 2 layers x (q/k/v, o, gate/up): down (Q6_K) keeps the float-activation GEMV
+    assert sorted(set(calls)) == ["gguf_q4_k", "gguf_q5_k"] and len(calls) == 3 * 2 * 3
+    assert torch.equal(runs["a8"], runs["emulated"])
+    for got, want in list(zip(steps["a8"], steps["emulated"]))[1:]:
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max()
