@@ -23,7 +23,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gptq_mma, gemv_scaled
+from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gptq_mma, gemv_kquant_a8, gemv_scaled
 
 def compile_(fn, sig, consts):
     sig = {name: sig[name] for name in fn.arg_names}  # the kernel's parameter order (older Tritons read it by position)
@@ -71,13 +71,21 @@ sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq_a8._gemv_gptq_a8_kernel, sig, consts)
 assert ptx.count("dp4a.u32.s32") >= 16, "W4A8: the integer dot products are missing"
 sig = dict(X="*bf16", U="*bf16", XW="*i32", DX="*fp32", RS="*fp32", K="i32")
-consts = dict(SWIGLU=True, BLOCK=1024, PDL=False, ASM=True)
-sig.update({k: "constexpr" for k in consts})
-assert "mul.rn.f32" in compile_(act_int8._quantize_kernel, sig, consts), "int8 activations: the rounded product"
+for natural in (False, True):
+    consts = dict(SWIGLU=True, BLOCK=1024, PDL=False, ASM=True, NATURAL=natural)
+    sig.update({k: "constexpr" for k in consts})
+    assert "mul.rn.f32" in compile_(act_int8._quantize_kernel, sig, consts), "int8 activations: the rounded product"
 sig = dict(X="*bf16", RES="*bf16", R="*bf16", W="*bf16", XW="*i32", DX="*fp32", RS="*fp32", H="i32", eps="fp32")
-consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True)
+consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True, NATURAL=True)
 sig.update({k: "constexpr" for k in consts})
 assert "mul.rn.f32" in compile_(act_int8._norm_quantize_kernel, sig, consts)
+sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
+           NB="i32", row_words="i32", nb_per_split="i32", SPLIT="i32")
+for q5 in (False, True):
+    consts = dict(Q5=q5, WORDS=44 if q5 else 36, HAS_BIAS=False, BLOCK_N=2, BLOCK_B=8, PDL=False, ASM=True)
+    sig.update({k: "constexpr" for k in consts})
+    ptx = compile_(gemv_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
+    assert ptx.count("dp4a.u32.s32") >= 8, "K-quant A8: the integer dot products are missing"  # 2 x 8 x 32 x 2 / 128
 print("ok")
 """
 
