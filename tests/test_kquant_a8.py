@@ -1,4 +1,4 @@
-"""The opt-in GGUF Q4_K / Q5_K one-row GEMV on int8 activations (POLYFUSE_GGUF_A8=1): the activations quantized in
+"""The opt-in GGUF Q4_K / Q5_K / Q6_K one-row GEMV on int8 activations (POLYFUSE_GGUF_A8=1): the activations quantized in
 blocks of 32 in natural order (backends/triton/act_int8.py ``natural``), the GEMV on integer dot products
 (backends/triton/gemv_kquant_a8.py). Bytes against the torch reference bit for bit, the GEMV against the float64
 product of the dequantized weight and activations, a tiny GGUF model's decode against the native model fed the same
@@ -74,11 +74,13 @@ def _on(qw, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["gguf_q4_k", "gguf_q5_k"])
+@pytest.mark.parametrize("fmt", ["gguf_q4_k", "gguf_q5_k", "gguf_q6_k"])
 def test_gemv_against_the_reference(device, fmt):
-    """Our packing and super-blocks of random bytes (every scale / min / fifth-bit pattern, negative and zero d),
-    N not a multiple of the row block, 1..5 splits, two super-blocks a step, bias: within 1e-5 of the largest
-    output of the float64 reference. Q5_K's fifth bits and Q4_K's mins are seen: a wrong one moves it far past."""
+    """Our packing and super-blocks of random bytes (every scale / min / high-bit pattern, negative and zero d,
+    Q6_K's negative scales), N not a multiple of the row block, 1..5 splits, two super-blocks a step, an odd number
+    of super-blocks per row (Q6_K's 210-byte super-blocks then start off 4-byte boundaries), bias: within 1e-5 of
+    the largest output of the float64 reference. Q4_K's mins, Q5_K's fifth bits and Q6_K's high bits are seen: a
+    wrong one moves it far past."""
     gen = torch.Generator().manual_seed(2)
     for n, k, tiles in ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2))):
         for qw in (qf.quantize(fmt, torch.randn(n, k, generator=gen) * 0.05), random_kquant(fmt, n, k, seed=n)):
@@ -93,15 +95,16 @@ def test_gemv_against_the_reference(device, fmt):
                 err = (got.double() - want).abs().max().item()
                 assert err <= 1e-5 * want.abs().max().item(), (n, k, split, err)
     raw = qw.qweight.view(n, -1, qf.GGUF_BYTES[fmt]).clone()
-    at = 16 if fmt == "gguf_q5_k" else 4  # a qh byte (the fifth bits) / a scale byte (scale and min of sub-block 0)
+    # a scale byte (Q4_K: scale and min of sub-block 0), a qh byte (Q5_K's fifth bits, Q6_K's high bits)
+    at = {"gguf_q4_k": 4, "gguf_q5_k": 16, "gguf_q6_k": 128}[fmt]
     raw[:, :, at] ^= 0x21
     bad = dataclasses.replace(qw, qweight=raw.view(n, -1))
     assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
 
 
 def test_accepts_and_the_dispatch(monkeypatch):
-    """Off by default; with it on, one-row Q4_K / Q5_K linear_q, swiglu_linear_q and add_rms_norm_linear_q (the
-    gemv_q implementations) run the A8 kernel and give its numbers; Q6_K, other formats, several rows and an up of
+    """Off by default; with it on, one-row Q4_K / Q5_K / Q6_K linear_q, swiglu_linear_q and add_rms_norm_linear_q
+    (the gemv_q implementations) run the A8 kernel and give its numbers; other formats, several rows and an up of
     another dtype are declined to the float-activation GEMV."""
     from polyfuse.backends.triton import norm_gemv, quant_gemv
     from polyfuse.backends.triton.swiglu import swiglu_forward
@@ -113,7 +116,8 @@ def test_accepts_and_the_dispatch(monkeypatch):
     assert norm_gemv.accepts_add_rms_norm_linear_q(x, x, torch.rand(512), 1e-6, qw) is not None
     monkeypatch.setattr(ka8, "ENABLED", True)
     assert ka8.accepts(x, qw) and ka8.accepts(x[:, :256].bfloat16(), qf.quantize("gguf_q4_k", torch.randn(8, 256)))
-    assert not ka8.accepts(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
+    assert ka8.accepts(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
+    assert not ka8.accepts(x, qf.quantize("gguf_q8_0", torch.randn(48, 512)))
     assert not ka8.accepts(x, qf.quantize("int4", torch.randn(48, 512)))
     assert not ka8.accepts(torch.randn(2, 512), qw)
     assert not ka8.accepts(x, qw, up=torch.randn(1, 512).bfloat16())
@@ -133,17 +137,20 @@ def test_accepts_and_the_dispatch(monkeypatch):
         xw, dx, rs, r = norm_quantize_row(x, res.view(1, 512), weight, 1e-6, natural=True)
         assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
         assert len(calls) == 3
-        quant_gemv.linear_q(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
+        quant_gemv.linear_q(x, qf.quantize("gguf_q8_0", torch.randn(48, 512)))
     assert len(calls) == 3
 
 
 def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
-    """Greedy decode of a tiny Q4_K / Q5_K GGUF (q/k/v and gate/up Q5_K, o Q4_K, down Q6_K) through the A8 path
-    against the native model whose Q4_K / Q5_K projections get the same int8 activations (bench/act_int8.py): the
-    same tokens, each one-row step's logits within float32 rounding; Q6_K stays on the float-activation GEMV."""
+    """Greedy decode of a tiny K-quant GGUF (q/k/v and gate/up Q5_K, o Q4_K, down Q6_K) through the A8 path
+    against the native model whose projections get the same int8 activations (bench/act_int8.py): the same tokens,
+    each one-row step's logits within float32 rounding."""
+    from polyfuse.backends.triton import _qgemv
     from polyfuse.bench.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
 
+    for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q6_k_a8"):  # few programs: the interpreter runs each one
+        monkeypatch.setitem(_qgemv.TILES, fmt, (64, 256, 1, 1))
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     types = {"q_proj": "Q5_K", "k_proj": "Q5_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "gate_proj": "Q5_K",
@@ -172,8 +179,8 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
 
         model.forward = record
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
-    # 3 one-row steps x 2 layers x (q/k/v, o, gate/up): down (Q6_K) keeps the float-activation GEMV
-    assert sorted(set(calls)) == ["gguf_q4_k", "gguf_q5_k"] and len(calls) == 3 * 2 * 3
+    # 3 one-row steps x 2 layers x (q/k/v, o, gate/up, down)
+    assert sorted(set(calls)) == ["gguf_q4_k", "gguf_q5_k", "gguf_q6_k"] and len(calls) == 3 * 2 * 4
     assert torch.equal(runs["a8"], runs["emulated"])
     for got, want in list(zip(steps["a8"], steps["emulated"]))[1:]:
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()

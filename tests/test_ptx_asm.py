@@ -86,6 +86,12 @@ for q5 in (False, True):
     sig.update({k: "constexpr" for k in consts})
     ptx = compile_(gemv_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
     assert ptx.count("dp4a.u32.s32") >= 8, "K-quant A8: the integer dot products are missing"  # 2 x 8 x 32 x 2 / 128
+sig = dict(XW="*i32", DX="*fp32", W8="*i8", W16="*i16", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
+           NB="i32", row_halves="i32", nb_per_split="i32", SPLIT="i32")
+consts = dict(HAS_BIAS=False, BLOCK_N=2, BLOCK_B=4, PDL=False, ASM=True)
+sig.update({k: "constexpr" for k in consts})
+ptx = compile_(gemv_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
+assert ptx.count("dp4a.u32.s32") >= 4, "Q6_K A8: the integer dot products are missing"  # 2 x 32 x 8 / 128
 print("ok")
 """
 

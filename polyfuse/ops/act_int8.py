@@ -18,10 +18,10 @@ import torch
 # The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
 # and tests may change; the backend report reads this one).
 REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
-# The same for GGUF Q4_K / Q5_K (backends/triton/gemv_kquant_a8.py), as llama.cpp's CUDA backend runs them by
+# The same for GGUF Q4_K / Q5_K / Q6_K (backends/triton/gemv_kquant_a8.py), as llama.cpp's CUDA backend runs them by
 # default: POLYFUSE_GGUF_A8=1.
 GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
-KQUANT_A8 = ("gguf_q4_k", "gguf_q5_k")
+KQUANT_A8 = ("gguf_q4_k", "gguf_q5_k", "gguf_q6_k")
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
 
@@ -36,7 +36,8 @@ def takes(qweight) -> bool:
 
 
 def takes_kquant(qweight) -> bool:
-    """Whether a packed weight has the K-quant W4A8 / W5A8 GEMV: GGUF Q4_K or Q5_K (K is whole super-blocks)."""
+    """Whether a packed weight has the K-quant int8-activation GEMV: GGUF Q4_K, Q5_K or Q6_K (K is whole
+    super-blocks)."""
     return qweight.format in KQUANT_A8
 
 

@@ -152,6 +152,7 @@ TILES = {
         3,
     ),  # gemv_kquant_a8.py (POLYFUSE_GGUF_A8=1), swept on the 8B projections (session 18)
     "gguf_q5_k_a8": (2, 2048, 1, 4),
+    "gguf_q6_k_a8": (2, 1024, 1, 3),  # not swept yet
     "gguf_q6_k": (2, 512, 1, 3),
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one

@@ -1,4 +1,4 @@
-"""One-row GEMV on GGUF Q4_K / Q5_K super-blocks times int8 activations, on integer dot products (``dp4a``).
+"""One-row GEMV on GGUF Q4_K / Q5_K / Q6_K super-blocks times int8 activations, on integer dot products (``dp4a``).
 
 Opt-in (``POLYFUSE_GGUF_A8=1``, read at import; a module attribute, so benchmarks can switch it), as llama.cpp's CUDA
 backend runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
@@ -7,7 +7,9 @@ backend runs these types on q8_1 activations by default: the row is quantized to
 activation (about 1.1 TB/s of packed bytes on the H200, slower than bf16 cuBLAS); here one 32-bit word of quant bytes
 holds four consecutive weights in its low nibbles (sub-block 2 j) and four in its high ones (2 j + 1, 32 further on):
 two masks, two ``dp4a`` against two activation words. Q5_K ors its fifth bits (bit 2 j and 2 j + 1 of each qh byte,
-shifted over the whole word: bit 2 j + t of byte b lands on bit t of byte b) in before the dot.
+shifted over the whole word: bit 2 j + t of byte b lands on bit t of byte b) in before the dot. Q6_K (its own kernel
+below: 6-bit values minus 32, one int8 scale per 16) builds each word of four 6-bit values from a nibble word and a
+2-bit word the same way, and takes 32 sum q_x (one more dp4a, against ones) off the dot.
 
 Per sub-block: (d sc) d_x sum q q_x - (dmin m) d_x sum q_x, the last factor the block's RS (act_int8.py): the
 integer sums are exact, the rest float32. Each super-block's header is read as four words and its 16 scales and mins
@@ -118,9 +120,59 @@ def _gemv_kquant_a8_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
 
 
+@triton.jit
+def _word(W16, at, mask):
+    """int32 words from two 16-bit halves at half-word offsets ``at`` and ``at`` + 1 (low half first)."""
+    lo = tl.load(W16 + at, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    return lo | (tl.load(W16 + at + 1, mask=mask, other=0).to(tl.int32) << 16)
+
+
+@triton.jit
+def _gemv_q6k_a8_kernel(
+    XW, DX, W8, W16, B, Y, WS, CNT, N, NB, row_halves, nb_per_split,
+    HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    """Q6_K: tiles [BLOCK_N rows, 8 BLOCK_B quarters, 2 groups of 16, 4 words]. Quarter (h, s) of a super-block is
+    weights 128 h + 32 s + l: low (s < 2) or high nibbles of ql bytes 64 h + 32 (s % 2) + l, the 2 high bits at bits
+    2 s of qh byte 32 h + l; one int8 scale per 16. A super-block is 210 bytes, so its words are read as 16-bit
+    halves. sum (q - 32) q_x = sum q q_x - 32 sum q_x, both from dp4a (the second against 0x01010101)."""
+    wait_prior(PDL)
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    n4 = n[:, None, None, None]
+    b_start = tl.program_id(1) * nb_per_split
+    b_end = tl.minimum(NB, b_start + nb_per_split)
+    G: tl.constexpr = 8 * BLOCK_B
+    g = tl.arange(0, G)[None, :, None, None]
+    t = tl.arange(0, 2)[None, None, :, None]
+    w = tl.arange(0, 4)[None, None, None, :]
+    h = (g // 4) % 2
+    s = g % 4
+    acc = tl.zeros([BLOCK_N, G, 2, 1], dtype=tl.float32)
+    for b0 in range(b_start, b_end, BLOCK_B):
+        sb = b0 + g // 8  # [1, G, 1, 1]
+        g_mask = sb < b_end
+        m = (n4 < N) & g_mask
+        base = n4 * row_halves + sb * 105  # the super-block's first half-word (210 bytes)
+        lq = base + 32 * h + 16 * (s % 2) + 8 * t + 2 * w  # ql bytes 64 h + 32 (s % 2) + 16 t + 4 w ..
+        ql = _word(W16, lq, m)
+        qh = _word(W16, base + 64 + 16 * h + 8 * t + 2 * w, m)  # qh bytes 128 + 32 h + 16 t + 4 w ..
+        q = ((ql >> (4 * (s // 2))) & 0x0F0F0F0F) | (((qh >> (2 * s)) & 0x03030303) << 4)
+        xw = tl.load(XW + sb * 64 + 32 * h + 8 * s + 4 * t + w, mask=g_mask, other=0)
+        dot = tl.sum(_dp4a(q, xw, ASM), axis=3, keep_dims=True)
+        xs = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, ASM), axis=3, keep_dims=True)
+        sc = tl.load(W8 + 2 * base + 192 + 8 * h + 2 * s + t, mask=m, other=0).to(tl.float32)
+        d = tl.load(W16 + base + 104, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        dx = tl.load(DX + sb * 8 + 4 * h + s, mask=g_mask, other=0.0)
+        acc += (d * sc) * (dx * (dot - 32 * xs).to(tl.float32))
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
+
+
 def accepts(x: torch.Tensor, qw, up=None) -> bool:
-    """Whether the K-quant A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), Q4_K
-    or Q5_K (ops/act_int8.py ``takes_kquant``), a float activation dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU
+    """Whether the K-quant A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), Q4_K,
+    Q5_K or Q6_K (ops/act_int8.py ``takes_kquant``), a float activation dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU
     interpreter."""
     k = qw.shape[1]
     if not ENABLED or not takes_kquant(qw) or x.numel() != k or x.shape[-1] != k:
@@ -139,16 +191,24 @@ def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, spl
     block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format + "_a8", n, k)
     block_b = max(1, block_k // GGUF_SUPER)
     assert block_b & (block_b - 1) == 0, "block_k / 256 super-blocks per step: a power of 2"
+    q6 = qw.format == "gguf_q6_k"
     w = qw.qweight
-    if w.stride(-1) != 1 or w.stride(0) % 4:
+    if w.stride(-1) != 1 or w.stride(0) % (2 if q6 else 4):
         w = w.contiguous()
     nb = k // GGUF_SUPER
     nbytes = GGUF_BYTES[qw.format]
-    assert w.shape[1] == nb * nbytes and nbytes % 4 == 0
+    assert w.shape[1] == nb * nbytes
     grid_n = triton.cdiv(n, block_n)
     split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
     y = torch.empty((1, n), dtype=dtype, device=xw.device)
     ws, cnt = split_buffers(split, grid_n, n, xw.device)
+    if q6:
+        _gemv_q6k_a8_kernel[(grid_n, split)](
+            xw, dx, w.view(torch.int8), w.view(torch.int16), bias if bias is not None else y, y, ws, cnt, n, nb,
+            w.stride(0) // 2, per, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b,
+            ASM=PTX, num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device),
+        )  # fmt: skip
+        return y
     _gemv_kquant_a8_kernel[(grid_n, split)](
         xw, dx, rs, w.view(torch.int32), bias if bias is not None else y, y, ws, cnt, n, nb,
         w.stride(0) // 4, per, Q5=qw.format == "gguf_q5_k", WORDS=nbytes // 4, HAS_BIAS=bias is not None,

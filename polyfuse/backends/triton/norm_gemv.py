@@ -1,5 +1,5 @@
 """``add_rms_norm_linear_q`` for one row of int4 weights: the norm's kernel, then the one-row GEMV, launched as a pair
-(and for GGUF Q4_K / Q5_K with POLYFUSE_GGUF_A8=1: the norm's kernel writes the row quantized to int8, as for W4A8).
+(and for GGUF Q4_K / Q5_K / Q6_K with POLYFUSE_GGUF_A8=1: the norm's kernel writes the row quantized to int8, as for W4A8).
 
 The int4 GEMV loads its first weight tiles before its PDL wait (_qgemv.prefetch_tiles): nothing before it writes them.
 With plain PDL the GEMV may launch only once the norm's kernel has passed its own wait, so those loads overlap just the
