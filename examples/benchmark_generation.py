@@ -115,9 +115,11 @@ class StepTimer:
 
 
 def quant_label(args) -> str:
-    """The rows' ``quant``: the format, +lm_head, +a8 where int4's one-row GEMV runs on int8 activations
-    (POLYFUSE_INT4_A8=1)."""
-    a8 = args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1"  # gemv_gptq_a8.ENABLED's source
+    """The rows' ``quant``: the format, +lm_head, +a8 where the one-row GEMV runs on int8 activations (int4 with
+    POLYFUSE_INT4_A8=1, the GGUF K-quants with POLYFUSE_GGUF_A8=1)."""
+    a8 = (args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1") or (
+        args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
+    )  # gemv_gptq_a8.ENABLED's / gemv_kquant_a8.ENABLED's source
     return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
 
 
@@ -257,8 +259,9 @@ def main():
     p.add_argument(
         "--quant",
         default=None,
-        choices=["fp8", "fp8_block", "int8", "int4"],
-        help="polyfuse's projections quantized (random weights); the transformers peer runs torchao int8 weight-only",
+        choices=["fp8", "fp8_block", "int8", "int4", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"],
+        help="polyfuse's projections quantized (random weights; gguf_*: llama.cpp's K-quant super-blocks, round to "
+        "nearest); the transformers peer runs torchao int8 weight-only",
     )
     p.add_argument("--quant_lm_head", action="store_true", help="with --quant: the LM head quantized too")
     p.add_argument(
@@ -272,6 +275,10 @@ def main():
         return write_checkpoint(args.write_checkpoint, args.shapes.split(",")[0])
     if args.quant_lm_head and not args.quant:
         print("benchmark_generation.py: error: --quant_lm_head: needs --quant", file=sys.stderr)
+        sys.exit(2)
+    if args.quant_lm_head and args.quant.startswith("gguf_"):
+        print("benchmark_generation.py: error: --quant_lm_head: the head is packed in fp8 / fp8_block / int8 / int4 "
+              "only", file=sys.stderr)  # fmt: skip
         sys.exit(2)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -7,7 +7,7 @@
         --quant none,fp8,int8,int4 --context 1024
 
 --quant takes run_generation.py's values (none: every weight dequantized/float; gguf: a GGUF's Q8_0/Q4_0/Q4_1/
-Q4_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load); a value ending in
+Q4_K/Q5_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized at load; auto: the default load); a value ending in
 "+lm_head" (fp8+lm_head, ...) also quantizes the LM head, as run_generation.py's --quant_lm_head; "+gptq" (int4+gptq,
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows

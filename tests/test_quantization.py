@@ -655,6 +655,27 @@ def test_gguf_q5_k_m_file_runs_every_projection_quantized(tmp_path, caplog):
     assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
 
 
+def test_random_weights_in_gguf_k_quants():
+    """from_config(quant="gguf_q5_k") (benchmark_generation.py --quant gguf_*): every projection packed as a
+    llama.cpp K-quant by round to nearest, whose logits are the dequantized model's; the 32-weight GGUF types and
+    unknown names are refused."""
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    model = LlamaForCausalLM.from_config(cfg, seed=2, quant="gguf_q5_k")
+    assert {m.format for m in qz.quantized_modules(model).values()} == {"gguf_q5_k"}
+    assert len(qz.quantized_modules(model)) == 4
+    dense = LlamaForCausalLM.from_config(cfg, seed=2)
+    want = dense.state_dict()  # the packed model's embedding, norms and head; its projections dequantized below
+    dense.load_state_dict({k: v for k, v in model.state_dict().items() if k in want}, strict=False)
+    for name, q in qz.quantized_modules(model).items():
+        dense.get_submodule(name).weight.data.copy_(qf.dequantize(q.quantized_weight()))
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    assert rel(model(ids).logits, dense(ids).logits) < 1e-5
+    for bad in ("gguf_q8_0", "q5_k"):
+        with pytest.raises(ValueError, match="for random weights"):
+            LlamaForCausalLM.from_config(cfg, seed=2, quant=bad)
+
+
 def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     """examples/benchmark_generation.py --quant on the CPU at the tiny shape (in process: no interpreter start)."""
     import importlib.util

@@ -191,9 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["fp8", "fp8_block", "int8", "int4", "gguf", "none"],
         help="quantize a float checkpoint's projections at load: fp8 (e4m3, per-channel scales), fp8_block (1x128 "
-        "scales), int8 (per channel), int4 (AutoGPTQ layout, group 128); gguf: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K "
-        "tensors "
-        "as stored; none: dequantize everything. Default: quantized checkpoints load as stored, a GGUF stays "
+        "scales), int8 (per channel), int4 (AutoGPTQ layout, group 128); gguf: keep a GGUF's "
+        "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none: dequantize everything. Default: quantized checkpoints load as stored, a GGUF stays "
         "quantized where a kernel takes it (NVIDIA)",
     )
     g.add_argument(

@@ -254,7 +254,7 @@ def from_pretrained(
     progress=None,
 ):
     """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
-    Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
+    Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
     GGUF's tensors stay quantized where a kernel takes them (engine/quantize.py)."""
     t0 = time.perf_counter()
     dtype = dtype_of(dtype) or torch.float32

@@ -14,7 +14,7 @@ Where the packed weights come from:
   * ``quant="int8" | "int4" | "fp8" | "fp8_block"``: a float checkpoint (safetensors, or a GGUF dequantized) is
     quantized tensor by tensor as it loads (round to nearest; the formats are row-local, so each fused part is
     quantized on its own). A projection the format cannot pack keeps the run's dtype, with one warning naming it.
-  * a GGUF: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
+  * a GGUF: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
     implementation besides the native reference (a Triton GEMV on NVIDIA), or with ``quant="gguf"``; otherwise they
     are dequantized at load (the same numbers as the native reference, without dequantizing at every call). Other
     quantized GGUF types are dequantized at load with one warning.
@@ -47,6 +47,7 @@ from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
     GGUF_TYPES,
     INT4_GROUP,
+    K_QUANTS,
     LOAD_TIME_FORMATS,
     QuantizedWeight,
     cannot_pack,
@@ -236,6 +237,7 @@ class QuantSetup:
         self.part_of: dict = {}
         self.shards: dict = {}  # tensor parallelism: {checkpoint fragment: Shard} of this rank (engine/shards.py)
         self.lock = threading.Lock()
+        self.random = False  # for_random_weights: also the GGUF K-quants, packed by round to nearest
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -243,7 +245,7 @@ class QuantSetup:
         """(format or None for dense, group size, why dense) of one projection."""
         ck, k = self.ckpt, lin.in_features
         sizes = tuple(s for _, s in parts)
-        if self.request in LOAD_TIME_FORMATS:
+        if self.request in LOAD_TIME_FORMATS or (self.random and self.request in K_QUANTS):
             why = cannot_pack(self.request, k, sizes)
             return (None, 0, f"--quant {self.request}: {why}") if why else (self.request, INT4_GROUP, "")
         if ck.kind == "gguf":  # only when its quantized tensors are kept (setup returns None otherwise)
@@ -537,12 +539,17 @@ def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags
 
 
 def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSetup]:
-    """from_config: random weights quantized in ``quant`` (benchmarks)."""
+    """from_config: random weights quantized in ``quant`` (benchmarks): a load-time format, or a GGUF K-quant packed
+    by round to nearest (as a llama.cpp file's projections would be stored)."""
     if quant in (None, "", "none", "auto"):
         return None
-    if quant not in LOAD_TIME_FORMATS:
-        raise ValueError(f"quant={quant!r} for random weights: choose one of {', '.join(LOAD_TIME_FORMATS)}")
-    return QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
+    if quant not in (*LOAD_TIME_FORMATS, *K_QUANTS):
+        raise ValueError(
+            f"quant={quant!r} for random weights: choose one of {', '.join((*LOAD_TIME_FORMATS, *K_QUANTS))}"
+        )
+    setup = QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
+    setup.random = True
+    return setup
 
 
 def device_quantizer(device) -> Callable:
