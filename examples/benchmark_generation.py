@@ -276,9 +276,9 @@ def main():
     if args.quant_lm_head and not args.quant:
         print("benchmark_generation.py: error: --quant_lm_head: needs --quant", file=sys.stderr)
         sys.exit(2)
-    if args.quant_lm_head and args.quant.startswith("gguf_"):
-        print("benchmark_generation.py: error: --quant_lm_head: the head is packed in fp8 / fp8_block / int8 / int4 "
-              "only", file=sys.stderr)  # fmt: skip
+    if args.quant and args.quant.startswith("gguf_") and (args.quant_lm_head or (args.tp > 1 and args.load)):
+        print(f"benchmark_generation.py: error: --quant {args.quant}: random weights only (no --quant_lm_head, no "
+              "--tp --load from a checkpoint)", file=sys.stderr)  # fmt: skip
         sys.exit(2)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -76,9 +76,10 @@ for natural in (False, True):
     sig.update({k: "constexpr" for k in consts})
     assert "mul.rn.f32" in compile_(act_int8._quantize_kernel, sig, consts), "int8 activations: the rounded product"
 sig = dict(X="*bf16", RES="*bf16", R="*bf16", W="*bf16", XW="*i32", DX="*fp32", RS="*fp32", H="i32", eps="fp32")
-consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True, NATURAL=True)
-sig.update({k: "constexpr" for k in consts})
-assert "mul.rn.f32" in compile_(act_int8._norm_quantize_kernel, sig, consts)
+for natural in (False, True):
+    consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True, NATURAL=natural)
+    sig.update({k: "constexpr" for k in consts})
+    assert "mul.rn.f32" in compile_(act_int8._norm_quantize_kernel, sig, consts)
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
            NB="i32", row_words="i32", nb_per_split="i32", SPLIT="i32")
 for q5 in (False, True):

@@ -634,9 +634,10 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
     assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
 
 
-def test_gguf_q5_k_m_file_runs_every_projection_quantized(tmp_path, caplog):
-    """A Q5_K_M-style file: q/k/v, o and gate/up Q5_K, down Q6_K: every projection kept (q/k/v fused in one Q5_K
-    weight), no warning, the dequantized model's logits and greedy tokens."""
+def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
+    """q/k/v, o and gate/up Q5_K, down Q6_K: every projection kept (q/k/v fused in one Q5_K weight), no warning, the
+    dequantized model's logits and greedy tokens. (A real Q5_K_M file also gives v Q6_K in some layers: their q/k/v
+    is dequantized, as Q4_K_M's.)"""
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     model = LlamaForCausalLM.from_config(cfg, seed=6)

@@ -1,5 +1,5 @@
 """The quality of ``POLYFUSE_INT4_A8`` (and ``POLYFUSE_GGUF_A8``) measured over a whole text: a model whose int4
-(GGUF Q4_K / Q5_K) projections see their activations quantized to int8 in blocks of 32 and back
+(GGUF Q4_K / Q5_K / Q6_K) projections see their activations quantized to int8 in blocks of 32 and back
 (polyfuse/ops/act_int8.py), on every row.
 
 The W4A8 GEMV runs only one-row decode; scoring a text one token at a time through it is slow, so the perplexity tool
@@ -17,7 +17,7 @@ from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8, takes,
 
 
 # the --quant formats whose one-row GEMV has an int8-activation form (ops/act_int8.py ``takes``); the emulation
-# below also covers a GGUF's kept Q4_K / Q5_K weights (``takes_kquant``)
+# below also covers a GGUF's kept Q4_K / Q5_K / Q6_K weights (``takes_kquant``)
 FORMATS = ("int4",)
 
 

@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from polyfuse.ops.quant_formats import K_QUANTS
+
 
 # The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
 # and tests may change; the backend report reads this one).
@@ -21,7 +23,7 @@ REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
 # The same for GGUF Q4_K / Q5_K / Q6_K (backends/triton/gemv_kquant_a8.py), as llama.cpp's CUDA backend runs them by
 # default: POLYFUSE_GGUF_A8=1.
 GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
-KQUANT_A8 = ("gguf_q4_k", "gguf_q5_k", "gguf_q6_k")
+KQUANT_A8 = K_QUANTS  # every K-quant kept as stored has one
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
 
