@@ -124,6 +124,18 @@ def _norm_quantize_kernel(
 CHUNK = 1024  # values per program of the plain / SwiGLU kernel
 
 
+def takes_row(x: torch.Tensor, k: int, up=None) -> bool:
+    """Whether the int8-activation GEMVs take a call's activations: one row of K values (``up``, SwiGLU's, of x's
+    shape and dtype), a float dtype, inline PTX (NVIDIA, sm61+ for dp4a; not ROCm) or the CPU interpreter."""
+    if x.numel() != k or x.shape[-1] != k:
+        return False
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        return False
+    if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
+
+
 def _outputs(k: int, device):
     if k % QBLOCK:
         raise ValueError(f"int8 activations: K={k} is not a multiple of {QBLOCK}")

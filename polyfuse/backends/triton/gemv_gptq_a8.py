@@ -35,6 +35,7 @@ from polyfuse.backends.triton._qgemv import (
     weight_tile,
 )
 from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.act_int8 import takes_row
 from polyfuse.ops.act_int8 import REQUESTED, takes
 
 
@@ -181,14 +182,7 @@ def accepts(x: torch.Tensor, qw, up=None) -> bool:
     """Whether the W4A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), a weight
     it has a kernel for (ops/act_int8.py ``takes``: int4 in group order, K and the groups multiples of 32), a float
     activation dtype, inline PTX available (NVIDIA, sm61+ for dp4a) or the CPU interpreter."""
-    k = qw.shape[1]
-    if not ENABLED or not takes(qw) or x.numel() != k or x.shape[-1] != k:
-        return False
-    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
-        return False
-    if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
+    return ENABLED and takes(qw) and takes_row(x, qw.shape[1], up)
 
 
 def _plan(shape, group_size: int, tiles=None):
