@@ -23,6 +23,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import programs_per_sm, split_buffers, split_plan, store_out, tiles_for
 from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.act_int8 import takes_row
 from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_kquant
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
@@ -174,14 +175,7 @@ def accepts(x: torch.Tensor, qw, up=None) -> bool:
     """Whether the K-quant A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), Q4_K,
     Q5_K or Q6_K (ops/act_int8.py ``takes_kquant``), a float activation dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU
     interpreter."""
-    k = qw.shape[1]
-    if not ENABLED or not takes_kquant(qw) or x.numel() != k or x.shape[-1] != k:
-        return False
-    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
-        return False
-    if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False
-    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
+    return ENABLED and takes_kquant(qw) and takes_row(x, qw.shape[1], up)
 
 
 def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
