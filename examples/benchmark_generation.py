@@ -30,6 +30,7 @@ from polyfuse.engine.generation import StepModule, ensure_cache  # noqa: E402
 from polyfuse.engine.loading import hf_state_items, set_kernels  # noqa: E402
 from polyfuse.engine.quantize import quantize_lm_head_  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
+from polyfuse.ops.quant_formats import GGUF_BYTES  # noqa: E402
 
 
 def log(row: dict, out) -> None:
@@ -116,10 +117,10 @@ class StepTimer:
 
 def quant_label(args) -> str:
     """The rows' ``quant``: the format, +lm_head, +a8 where the one-row GEMV runs on int8 activations (int4 with
-    POLYFUSE_INT4_A8=1, the GGUF K-quants with POLYFUSE_GGUF_A8=1)."""
+    POLYFUSE_INT4_A8=1, the GGUF types unless POLYFUSE_GGUF_A8=0)."""
     a8 = (args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1") or (
-        args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
-    )  # gemv_gptq_a8.ENABLED's / gemv_kquant_a8.ENABLED's source
+        args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
+    )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
     return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
 
 
@@ -259,9 +260,9 @@ def main():
     p.add_argument(
         "--quant",
         default=None,
-        choices=["fp8", "fp8_block", "int8", "int4", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"],
-        help="polyfuse's projections quantized (random weights; gguf_*: llama.cpp's K-quant super-blocks, round to "
-        "nearest); the transformers peer runs torchao int8 weight-only",
+        choices=["fp8", "fp8_block", "int8", "int4", *GGUF_BYTES],
+        help="polyfuse's projections quantized (random weights; gguf_*: llama.cpp's blocks, round to nearest); the "
+        "transformers peer runs torchao int8 weight-only",
     )
     p.add_argument("--quant_lm_head", action="store_true", help="with --quant: the LM head quantized too")
     p.add_argument(

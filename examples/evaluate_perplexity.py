@@ -12,10 +12,10 @@ Q4_K/Q5_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized 
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
 (512 tokens, at most 64, whatever --context is). The first entry is the baseline the others are
-compared with. "+a8" (int4+a8) scores int4 with the projections' activations quantized to int8 in blocks of 32, as
-the opt-in POLYFUSE_INT4_A8=1 one-row decode computes them (emulated on every position, teacher-forced:
-polyfuse/bench/act_int8.py). The default text is the Declaration of Independence (public domain,
-examples/data/declaration_of_independence.txt).
+compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with the projections' activations
+quantized to int8 in blocks of 32, as the one-row decode computes them with POLYFUSE_INT4_A8=1 (GGUF: by default)
+(emulated on every position, teacher-forced: polyfuse/bench/act_int8.py). The default text is the Declaration of
+Independence (public domain, examples/data/declaration_of_independence.txt).
 """
 
 import argparse

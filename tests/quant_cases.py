@@ -12,7 +12,15 @@ import functools
 
 import torch
 
-from polyfuse.ops.quant_formats import FORMATS, GGUF_BYTES, GGUF_SUPER, K_QUANTS, QuantizedWeight, quantize
+from polyfuse.ops.quant_formats import (
+    FORMATS,
+    GGUF_BYTES,
+    GGUF_SUPER,
+    GGUF_WEIGHTS,
+    K_QUANTS,
+    QuantizedWeight,
+    quantize,
+)
 
 
 def act_order(qw):
@@ -34,13 +42,14 @@ def _quantized_on_host(fmt: str, n: int, k: int, seed: int):
     return act_order(qw) if fmt == "int4_act" else qw
 
 
-def random_kquant(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
-    """A Q4_K / Q5_K / Q6_K weight of random bytes: every scale, min and quant pattern, Q6_K's negative scales, and fp16 d /
-    dmin of both signs, zero in every fourth super-block (what llama.cpp's files hold and our quantizer never writes)."""
+def random_gguf(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A GGUF weight of random bytes: every quant pattern (the K-quants: every scale and min, Q6_K's negative scales),
+    and fp16 d / dmin / m of both signs, zero in every fourth (super-)block (what llama.cpp's files hold and our
+    quantizer never writes)."""
     gen = torch.Generator().manual_seed(seed)
-    nb, nbytes = k // GGUF_SUPER, GGUF_BYTES[fmt]
+    nb, nbytes = k // GGUF_WEIGHTS[fmt], GGUF_BYTES[fmt]
     raw = torch.randint(0, 256, (n, nb, nbytes), generator=gen, dtype=torch.uint8)
-    for at in (208,) if fmt == "gguf_q6_k" else (0, 2):
+    for at in {"gguf_q6_k": (208,), "gguf_q8_0": (0,), "gguf_q4_0": (0,)}.get(fmt, (0, 2)):
         d = (torch.rand(n, nb, generator=gen) - 0.3) * 0.01
         d[:, ::4] = 0.0
         raw[..., at : at + 2] = d.half().view(torch.uint8).reshape(n, nb, 2)

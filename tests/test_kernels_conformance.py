@@ -117,6 +117,44 @@ def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
     return linear_q_native(y.float(), qweight, None if bias is None else bias.float()).to(y.dtype), r
 
 
+# The GGUF one-row GEMVs run on int8 activations (POLYFUSE_GGUF_A8, backends/triton/gemv_gguf_a8.py): their reference
+# is the op on the activations the kernel multiplies (quantized in blocks of 32 and back, ops/act_int8.py), in float32
+# and rounded once (SwiGLU's product rounded first, the norm native), where that kernel takes the call.
+def _a8_linear_q(x, qweight, bias=None):
+    from polyfuse.bench.act_int8 import int8_activations
+    from polyfuse.ops.quant_linear import linear_q_native
+
+    return linear_q_native(int8_activations(x), qweight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def _a8_swiglu_linear_q(gate, up, qweight, bias=None):
+    return _a8_linear_q((torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype), qweight, bias)
+
+
+def _a8_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
+    from polyfuse.ops.add_rms_norm import add_rms_norm_native
+    from polyfuse.ops.rms_norm import rms_norm_native
+
+    y, r = (rms_norm_native(x, weight, eps), x) if residual is None else add_rms_norm_native(x, residual, weight, eps)
+    return _a8_linear_q(y, qweight, bias), r
+
+
+# op -> (reference, where the call's activations and packed weight are among its arguments)
+A8_REF = {"linear_q": (_a8_linear_q, 0, 1), "swiglu_linear_q": (_a8_swiglu_linear_q, 0, 2),
+          "add_rms_norm_linear_q": (_a8_add_rms_norm_linear_q, 0, 4)}  # fmt: skip
+
+
+def _a8_case(op, impl_name, make) -> bool:
+    """Whether gemv_q's call runs the GGUF GEMV on int8 activations."""
+    if impl_name != "gemv_q" or op not in A8_REF:
+        return False
+    from polyfuse.backends.triton import gemv_gguf_a8
+
+    args, _, _ = make()
+    _, xi, wi = A8_REF[op]
+    return gemv_gguf_a8.accepts(args[xi], args[wi], args[1] if op == "swiglu_linear_q" else None)
+
+
 REF_FN = {
     ("swiglu_linear_q", "gemv_q"): _swiglu_rounded_linear_q_f32,
     ("add_rms_norm_linear_q", "gemv_q"): _norm_rounded_linear_q_f32,
@@ -643,7 +681,9 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
         if upcast and (op, dtype) not in REF_IN_FLOAT32 and impl.accepts is not None:
             args, kwargs, _ = make()  # a case the implementation declines runs the native op in the inputs' dtype
             upcast = impl.accepts(*args, **kwargs) is None
-        if upcast and (op, impl_name) in REF_FN:
+        if _a8_case(op, impl_name, make):
+            ref_outs, ref_grads = _run(A8_REF[op][0], make, impl.supports_backward, side=side)
+        elif upcast and (op, impl_name) in REF_FN:
             ref_outs, ref_grads = _run(REF_FN[op, impl_name], make, impl.supports_backward, side=side)
         elif upcast and impl.name != registry.NATIVE:
             ref_outs, ref_grads = _run(spec.native, _upcast(make), impl.supports_backward, dtype, side)

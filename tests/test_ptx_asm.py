@@ -23,7 +23,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gptq_mma, gemv_kquant_a8, gemv_scaled
+from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gguf_a8, gemv_gptq_mma, gemv_kquant_a8, gemv_scaled
 
 def compile_(fn, sig, consts):
     sig = {name: sig[name] for name in fn.arg_names}  # the kernel's parameter order (older Tritons read it by position)
@@ -93,6 +93,14 @@ consts = dict(HAS_BIAS=False, BLOCK_N=2, BLOCK_B=4, PDL=False, ASM=True)
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
 assert ptx.count("dp4a.u32.s32") >= 4, "Q6_K A8: the integer dot products are missing"  # 2 x 32 x 8 / 128
+sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
+           NB="i32", row_words="i32", nb_per_split="i32", SPLIT="i32")
+for fmt, (code, words, pairs) in gemv_gguf_a8.LAYOUT.items():
+    consts = dict(FMT=code, Q=words, PAIRED=pairs, HAS_BIAS=False, BLOCK_N=8, BLOCK_B=32, PDL=False, ASM=True)
+    sig.update({k: "constexpr" for k in consts})
+    ptx = compile_(gemv_gguf_a8._gemv_gguf_a8_kernel, sig, consts)
+    op = "dp4a.s32.s32" if code == 0 else "dp4a.u32.s32"
+    assert ptx.count(op) >= 8, f"{fmt} A8: the integer dot products are missing"  # 8 x 32 x 8 / 128 threads
 print("ok")
 """
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from quant_cases import quantized, random_kquant
+from quant_cases import quantized, random_gguf
 
 from polyfuse.core import registry
 from polyfuse.ops import quant_formats as qf
@@ -338,7 +338,7 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(dtype):
         weights += [quantized(f, 72, 320, "cpu") for f in ("gguf_q8_0", "gguf_q4_0", "gguf_q4_1")]
     weights += [qf.quantize("int4", torch.randn(24, 192, generator=gen), group_size=g) for g in (32, 192)]
     for fmt in qf.K_QUANTS:  # our packing, and random super-blocks (negative and zero d, Q6_K's negative scales)
-        weights += [quantized(fmt, 37, 768, "cpu"), random_kquant(fmt, 37, 768, seed=3)]
+        weights += [quantized(fmt, 37, 768, "cpu"), random_gguf(fmt, 37, 768, seed=3)]
     for qw in weights:
         w = dequantize_q(qw, dtype)
         assert w.shape == qw.shape and w.dtype == dtype
@@ -414,6 +414,9 @@ def test_which_implementation_takes_which_rows(dtype):
     which quantizes the activations to e4m3 too: the largest error within 15% of the outputs' rms)."""
     from helpers import cpu_scaled_mm_missing
 
+    from polyfuse.backends.triton import gemv_gguf_a8
+    from polyfuse.bench.act_int8 import int8_activations
+
     calls = []
     kern = recording_kernels(calls)
     gen = torch.Generator().manual_seed(8)
@@ -437,8 +440,12 @@ def test_which_implementation_takes_which_rows(dtype):
                 y = getattr(kern, op)(*args, qw)
                 own = want if op == "linear_q" or want in (None, "dequant_mm") else f"{op}:{want}"
                 assert calls == ([own] if own else []), (op, fmt, m, calls)
-                # fp8_scaled_mm quantizes x too (test_quantization.py checks its arithmetic exactly)
+                # fp8_scaled_mm quantizes x too (test_quantization.py checks its arithmetic exactly), and so does
+                # the GGUF GEMV, to int8 in blocks of 32 (tests/test_gguf_a8.py)
                 bound = 0.15 if want == "fp8_scaled_mm" else BOUND[dtype]
+                if want == "gemv_q" and gemv_gguf_a8.accepts(x, qw):  # SwiGLU's product rounded once, as its kernel
+                    act = x if op == "linear_q" else (F.silu(gate.float()) * up.float()).to(dtype)
+                    act = int8_activations(act)
                 assert err(y.view(m, 48), reference(act, qw)) < bound, (op, fmt, m)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
-from quant_cases import act_order, quantized, random_kquant
+from quant_cases import act_order, quantized, random_gguf
 
 from polyfuse.core import registry
 from polyfuse.engine import quantize as qz
@@ -101,6 +101,20 @@ def test_quantize_dequantize_error_and_layout(fmt, bound):
     assert qf.dequantize(qw, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_gguf_32_weight_quantizer_is_the_gguf_packages():
+    """Q8_0 / Q4_0 / Q4_1 packed by our torch quantizer (random-weight benchmarks pack 8B models with it on the GPU)
+    equal the gguf package's bytes (llama.cpp's reference quantizer): zero blocks, ties, blocks of one value."""
+    gguf = pytest.importorskip("gguf")
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 512, generator=gen) * 0.05
+    w[0, :32], w[1, :32], w[3, :16] = 0.0, 0.01, 1e-9
+    w[2, :32] = torch.tensor([0.5, -0.5] * 16)
+    w[4] = torch.round(w[4] * 100) / 100  # ties in the scaled values
+    for fmt, ggml in (("gguf_q8_0", "Q8_0"), ("gguf_q4_0", "Q4_0"), ("gguf_q4_1", "Q4_1")):
+        ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[ggml])
+        assert np.array_equal(qf.quantize(fmt, w).qweight.numpy(), ref), fmt
+
+
 def test_gguf_dequantization_is_the_gguf_packages():
     gguf = pytest.importorskip("gguf")
     gen = torch.Generator().manual_seed(2)
@@ -174,7 +188,7 @@ def test_gemv_paths_against_the_reference(fmt):
     kernel = gemv_kquant if kquant else kernel
     k = 768 if kquant else 544
     # random_*: super-blocks of random bytes (negative and zero d, Q6_K's negative scales), as llama.cpp files hold
-    qw = random_kquant("gguf_" + fmt[7:], 40, k, seed=4) if fmt.startswith("random") else quantized(fmt, 40, k, "cpu")
+    qw = random_gguf("gguf_" + fmt[7:], 40, k, seed=4) if fmt.startswith("random") else quantized(fmt, 40, k, "cpu")
     gen = torch.Generator().manual_seed(3)
     x, up, bias = (
         torch.randn(1, k, generator=gen),
@@ -656,14 +670,14 @@ def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
     assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
 
 
-def test_random_weights_in_gguf_k_quants():
+@pytest.mark.parametrize("fmt", ["gguf_q5_k", "gguf_q4_0"])
+def test_random_weights_in_gguf_types(fmt):
     """from_config(quant="gguf_q5_k") (benchmark_generation.py --quant gguf_*): every projection packed as a
-    llama.cpp K-quant by round to nearest, whose logits are the dequantized model's; the 32-weight GGUF types and
-    unknown names are refused."""
+    llama.cpp GGUF type by round to nearest, whose logits are the dequantized model's; unknown names are refused."""
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
-    model = LlamaForCausalLM.from_config(cfg, seed=2, quant="gguf_q5_k")
-    assert {m.format for m in qz.quantized_modules(model).values()} == {"gguf_q5_k"}
+    model = LlamaForCausalLM.from_config(cfg, seed=2, quant=fmt)
+    assert {m.format for m in qz.quantized_modules(model).values()} == {fmt}
     assert len(qz.quantized_modules(model)) == 4
     dense = LlamaForCausalLM.from_config(cfg, seed=2)
     want = dense.state_dict()  # the packed model's embedding, norms and head; its projections dequantized below
@@ -672,9 +686,8 @@ def test_random_weights_in_gguf_k_quants():
         dense.get_submodule(name).weight.data.copy_(qf.dequantize(q.quantized_weight()))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert rel(model(ids).logits, dense(ids).logits) < 1e-5
-    for bad in ("gguf_q8_0", "q5_k"):
-        with pytest.raises(ValueError, match="for random weights"):
-            LlamaForCausalLM.from_config(cfg, seed=2, quant=bad)
+    with pytest.raises(ValueError, match="for random weights"):
+        LlamaForCausalLM.from_config(cfg, seed=2, quant="q5_k")
 
 
 def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
@@ -747,7 +760,7 @@ def baseline(builtin):
     return perplexity(builtin[3], builtin[2])[0]
 
 
-def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline):
+def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatch):
     from polyfuse.bench.perplexity import perplexity
     from polyfuse.models import AutoModelForCausalLM
 
@@ -757,9 +770,13 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline):
     assert len(mods) == 120 and {m.format for m in mods.values()} == {"gguf_q4_1"}
     ppl, n = perplexity(kept, windows)
     assert n == 1022 and abs(ppl / baseline - 1) < 0.005, (ppl, baseline)
-    # The Triton GEMV on real Q4_1 rows (64 of layer 0's gate/up, and of its down projection with SwiGLU).
+    # The Triton GEMV on real Q4_1 rows (64 of layer 0's gate/up, and of its down projection with SwiGLU), on int8
+    # activations (the default) against the float product of the activations quantized the same way, and on float
+    # activations (POLYFUSE_GGUF_A8=0) against the float product.
     pytest.importorskip("triton")
+    from polyfuse.backends.triton import gemv_gguf_a8
     from polyfuse.backends.triton.quant_gemv import linear_q, swiglu_linear_q
+    from polyfuse.bench.act_int8 import int8_activations
 
     def rows(q):
         qw = q.quantized_weight()
@@ -768,10 +785,13 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline):
     mlp = kept.model.layers[0].mlp
     gate_up, down = rows(mlp.gate_up_proj), rows(mlp.down_proj)
     x = torch.randn(1, 1, 576, generator=torch.Generator().manual_seed(8))
-    assert rel(linear_q(x, gate_up), torch.nn.functional.linear(x, qf.dequantize(gate_up))) < 1e-6
     g, u = torch.randn(2, 1, 1, 1536, generator=torch.Generator().manual_seed(9))
-    ref = torch.nn.functional.linear(torch.nn.functional.silu(g) * u, qf.dequantize(down))
-    assert rel(swiglu_linear_q(g, u, down), ref) < 1e-6
+    for a8 in (True, False):
+        monkeypatch.setattr(gemv_gguf_a8, "ENABLED", a8)
+        act = int8_activations if a8 else (lambda t: t)
+        assert rel(linear_q(x, gate_up), torch.nn.functional.linear(act(x), qf.dequantize(gate_up))) < 1e-6
+        ref = torch.nn.functional.linear(act(torch.nn.functional.silu(g) * u), qf.dequantize(down))
+        assert rel(swiglu_linear_q(g, u, down), ref) < 1e-6
 
 
 # Measured on this text (2 windows of 512 tokens, float32, CPU): dequantized Q4_1 19.714; int8 19.839 (+0.63%);
@@ -844,8 +864,25 @@ def test_perplexity_with_int8_activations(builtin, baseline):
     assert 0.001 < a8 / int4 - 1 < 0.02, (a8, int4)
 
 
+def test_gguf_perplexity_with_int8_activations(builtin, baseline):
+    """The built-in Q4_1 GGUF kept, its projections' activations quantized to int8 in blocks of 32 (the GGUF one-row
+    GEMV's default on the GPU, emulated on every position: bench/act_int8.py): measured on these windows 19.801
+    against the float model's 19.714 (+0.44%); held within the issue's 0.5% for Q4_1 kept, and moved (not
+    weight-only)."""
+    from polyfuse.bench.act_int8 import emulate_int8_activations_
+    from polyfuse.bench.perplexity import perplexity
+    from polyfuse.models import AutoModelForCausalLM
+
+    path, gguf, windows, _ = builtin
+    kept = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, quant="gguf")
+    emulate_int8_activations_(kept)
+    a8, _ = perplexity(kept, windows)
+    assert 0.0005 < abs(a8 / baseline - 1) < 0.005, (a8, baseline)
+
+
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
-    """--quant int4,int8+a8: one error line (the W4A8 path is int4's), exit 2, before any entry is scored."""
+    """--quant int4,int8+a8: one error line (the int8-activation paths are int4's and the GGUF's), exit 2, before any
+    entry is scored."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     import evaluate_perplexity
 

@@ -1,6 +1,6 @@
-"""The quality of ``POLYFUSE_INT4_A8`` (and ``POLYFUSE_GGUF_A8``) measured over a whole text: a model whose int4
-(GGUF Q4_K / Q5_K / Q6_K) projections see their activations quantized to int8 in blocks of 32 and back
-(polyfuse/ops/act_int8.py), on every row.
+"""The quality of ``POLYFUSE_INT4_A8`` (and of the GGUF one-row GEMV's default, ``POLYFUSE_GGUF_A8``) measured over
+a whole text: a model whose int4 (GGUF: kept as stored) projections see their activations quantized to int8 in
+blocks of 32 and back (polyfuse/ops/act_int8.py), on every row.
 
 The W4A8 GEMV runs only one-row decode; scoring a text one token at a time through it is slow, so the perplexity tool
 (examples/evaluate_perplexity.py ``int4+a8``) emulates it instead: teacher-forced, every position's projections get
@@ -8,17 +8,17 @@ the activations that decode would quantize (where the W4A8 GEMV takes the weight
 once, and the model's own kernels do the rest. Differences from the decode kernels: SwiGLU is the run's own (the
 W4A8 path rounds silu(gate) * up once, as the Triton SwiGLU kernel does), and the run's linear_q on float32
 activations dequantizes the weight to float32 (the GEMV does too) but sums in its own order.
-tests/test_int4_a8.py and tests/test_kquant_a8.py check the decode kernels against this emulation.
+tests/test_int4_a8.py and tests/test_gguf_a8.py check the decode kernels against this emulation.
 """
 
 from __future__ import annotations
 
-from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8, takes, takes_kquant
+from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8, takes, takes_gguf
 
 
-# the --quant formats whose one-row GEMV has an int8-activation form (ops/act_int8.py ``takes``); the emulation
-# below also covers a GGUF's kept Q4_K / Q5_K / Q6_K weights (``takes_kquant``)
-FORMATS = ("int4",)
+# the evaluate_perplexity.py --quant formats whose one-row GEMV has an int8-activation form (ops/act_int8.py
+# ``takes``: int4; ``takes_gguf``: a GGUF's weights kept as stored)
+FORMATS = ("int4", "gguf")
 
 
 def int8_activations(x):
@@ -35,7 +35,7 @@ def emulate_int8_activations_(model) -> None:
     linear_q, swiglu, add_rms_norm, rms_norm = k.linear_q, k.swiglu, k.add_rms_norm, k.rms_norm
 
     def a8_linear_q(x, qweight, bias=None):
-        if not (takes(qweight) or takes_kquant(qweight)):
+        if not (takes(qweight) or takes_gguf(qweight)):
             return linear_q(x, qweight, bias)
         out = linear_q(int8_activations(x), qweight, None if bias is None else bias.float())
         return out.to(x.dtype)

@@ -45,9 +45,9 @@ from polyfuse.engine.quant_shards import cannot_split, take
 from polyfuse.engine.shards import read_blocks, shape_of, shard_for, tp_shards
 from polyfuse.ops.quant_formats import (
     FP8_BLOCK,
+    GGUF_BYTES,
     GGUF_TYPES,
     INT4_GROUP,
-    K_QUANTS,
     LOAD_TIME_FORMATS,
     QuantizedWeight,
     cannot_pack,
@@ -237,7 +237,7 @@ class QuantSetup:
         self.part_of: dict = {}
         self.shards: dict = {}  # tensor parallelism: {checkpoint fragment: Shard} of this rank (engine/shards.py)
         self.lock = threading.Lock()
-        self.random = False  # for_random_weights: also the GGUF K-quants, packed by round to nearest
+        self.random = False  # for_random_weights: also the GGUF types, packed by round to nearest
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -245,7 +245,7 @@ class QuantSetup:
         """(format or None for dense, group size, why dense) of one projection."""
         ck, k = self.ckpt, lin.in_features
         sizes = tuple(s for _, s in parts)
-        if self.request in LOAD_TIME_FORMATS or (self.random and self.request in K_QUANTS):
+        if self.request in LOAD_TIME_FORMATS or (self.random and self.request in GGUF_BYTES):
             why = cannot_pack(self.request, k, sizes)
             return (None, 0, f"--quant {self.request}: {why}") if why else (self.request, INT4_GROUP, "")
         if ck.kind == "gguf":  # only when its quantized tensors are kept (setup returns None otherwise)
@@ -539,13 +539,13 @@ def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags
 
 
 def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSetup]:
-    """from_config: random weights quantized in ``quant`` (benchmarks): a load-time format, or a GGUF K-quant packed
-    by round to nearest (as a llama.cpp file's projections would be stored)."""
+    """from_config: random weights quantized in ``quant`` (benchmarks): a load-time format, or a GGUF type packed by
+    round to nearest (as a llama.cpp file's projections would be stored)."""
     if quant in (None, "", "none", "auto"):
         return None
-    if quant not in (*LOAD_TIME_FORMATS, *K_QUANTS):
+    if quant not in (*LOAD_TIME_FORMATS, *GGUF_BYTES):
         raise ValueError(
-            f"quant={quant!r} for random weights: choose one of {', '.join((*LOAD_TIME_FORMATS, *K_QUANTS))}"
+            f"quant={quant!r} for random weights: choose one of {', '.join((*LOAD_TIME_FORMATS, *GGUF_BYTES))}"
         )
     setup = QuantSetup(quant, Checkpoint("dense"), False, device, dtype)
     setup.random = True

@@ -1,4 +1,4 @@
-"""int8 activations in blocks of 32 values: the torch reference of what the W4A8 one-row GEMVs compute.
+"""int8 activations in blocks of 32 values: the torch reference of what the W4A8 and the GGUF one-row GEMVs compute.
 
 ``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
 integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
@@ -14,18 +14,19 @@ import os
 
 import torch
 
-from polyfuse.ops.quant_formats import K_QUANTS
+from polyfuse.ops.quant_formats import GGUF_BLOCK, GGUF_BYTES
 
 
 # The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
 # and tests may change; the backend report reads this one).
 REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
-# The same for GGUF Q4_K / Q5_K / Q6_K (backends/triton/gemv_kquant_a8.py), as llama.cpp's CUDA backend runs them by
-# default: POLYFUSE_GGUF_A8=1.
-GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "0") == "1"
-KQUANT_A8 = K_QUANTS  # every K-quant kept as stored has one
+# GGUF weights kept as stored run their one-row GEMV on int8 activations by default (backends/triton/gemv_gguf_a8.py),
+# as llama.cpp's CUDA backend and vLLM's GGUF kernels do: POLYFUSE_GGUF_A8=0 keeps them weight-only (float
+# activations, gemv_gguf.py / gemv_kquant.py).
+GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
+PAIRED_BLOCKS = ("gguf_q8_0", "gguf_q4_0")  # 34 / 18 bytes: every other block starts off a 4-byte boundary
 
 
 def takes(qweight) -> bool:
@@ -37,10 +38,13 @@ def takes(qweight) -> bool:
     return qweight.group_size >= k or qweight.group_size % BLOCK == 0
 
 
-def takes_kquant(qweight) -> bool:
-    """Whether a packed weight has the K-quant int8-activation GEMV: GGUF Q4_K, Q5_K or Q6_K (K is whole
-    super-blocks)."""
-    return qweight.format in KQUANT_A8
+def takes_gguf(qweight) -> bool:
+    """Whether a packed weight has the GGUF int8-activation GEMV: every GGUF type kept as stored (Q8_0, Q4_0, Q4_1,
+    Q4_K, Q5_K, Q6_K); Q8_0 / Q4_0, whose blocks the kernel reads by pairs, with an even number of 32-weight blocks
+    per row (K a multiple of 64)."""
+    if qweight.format not in GGUF_BYTES:
+        return False
+    return qweight.format not in PAIRED_BLOCKS or (qweight.shape[1] // GGUF_BLOCK) % 2 == 0
 
 
 def quantize_act_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

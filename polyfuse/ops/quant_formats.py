@@ -364,16 +364,41 @@ def _quantize_rows(fmt: str, w: torch.Tensor, group_size: int, fp8_max: float = 
     if fmt in K_QUANTS:
         return {"qweight": _quantize_k(fmt, w)}
     if fmt in GGUF_BYTES:
-        import gguf.quants
-
-        ggml = {v: k_ for k_, v in GGUF_TYPES.items()}[fmt]
-        raw = gguf.quants.quantize(w.cpu().numpy(), gguf.GGMLQuantizationType[ggml])
-        return {"qweight": torch.from_numpy(raw.copy()).to(w.device)}
+        return {"qweight": _quantize_32(fmt, w)}
     raise ValueError(f"unknown quantized format {fmt!r}")
 
 
 def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.half().contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+
+def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K / 32 * bytes]: Q8_0 / Q4_0 / Q4_1 blocks of w as llama.cpp's reference quantizer (and the gguf
+    package) writes them, bit for bit, in float32 torch arithmetic on w's device (no copy to the host)."""
+    n, k = w.shape
+    v = w.float().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
+
+    def inverse(d):
+        return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+
+    if fmt == "gguf_q8_0":
+        d = v.abs().amax(-1, keepdim=True) / 127
+        a = (v * inverse(d)).abs()  # rounded half away from zero, as ggml's roundf
+        q = torch.sign(v * inverse(d)) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a))))
+        parts = [_fp16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)]
+    else:
+        if fmt == "gguf_q4_0":  # the value of largest magnitude (the first of equals) is -8 d
+            d = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True)) / -8
+            q = torch.trunc(v * inverse(d) + 8.5)
+            head = [_fp16_bytes(d[..., 0])]
+        else:
+            lo = v.amin(-1, keepdim=True)
+            d = (v.amax(-1, keepdim=True) - lo) / 15
+            q = torch.trunc((v - lo) * inverse(d) + 0.5)
+            head = [_fp16_bytes(d[..., 0]), _fp16_bytes(lo[..., 0])]
+        q = q.clamp(0, 15).to(torch.uint8)
+        parts = [*head, q[..., :16] | (q[..., 16:] << 4)]
+    return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
 
 def _quantize_k(fmt: str, w: torch.Tensor) -> torch.Tensor:

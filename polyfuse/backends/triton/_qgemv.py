@@ -145,14 +145,15 @@ TILES = {
     "gguf_q4_1": (8, 256, 4, 3),
     "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py; session 16)
     "gguf_q5_k": (1, 1024, 1, 3),  # session 18: 8B per layer 183 -> 133 us against Q4_K's tile
-    "gguf_q4_k_a8": (
-        2,
-        2048,
-        1,
-        3,
-    ),  # gemv_kquant_a8.py (POLYFUSE_GGUF_A8=1), swept on the 8B projections (session 18)
-    "gguf_q5_k_a8": (2, 2048, 1, 4),
+    # gemv_kquant_a8.py / gemv_gguf_a8.py, swept on the 8B projections (session 19: one row per program, 1-2 warps,
+    # 32-64 blocks a step won every projection, the K-quants at 8B and 70B; a program per row fills the GPU, so K is
+    # not split)
+    "gguf_q4_k_a8": (1, 2048, 1, 3),
+    "gguf_q5_k_a8": (1, 2048, 1, 3),
     "gguf_q6_k_a8": (1, 1024, 1, 3),  # 8B per layer 154.9 -> 108.3 us against (2, 1024)
+    "gguf_q8_0_a8": (1, 2048, 1, 3),
+    "gguf_q4_0_a8": (1, 2048, 1, 3),
+    "gguf_q4_1_a8": (1, 2048, 2, 3),
     "gguf_q6_k": (2, 512, 1, 3),
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
@@ -173,10 +174,10 @@ TILES = {
 # 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
 # same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
 SHAPE_TILES = {
-    ("gguf_q4_k_a8", 6144, 4096): (4, 1024, 1, 4),
-    ("gguf_q4_k_a8", 4096, 4096): (2, 1024, 1, 3),
-    ("gguf_q4_k_a8", 4096, 14336): (1, 2048, 1, 3),
-    ("gguf_q5_k_a8", 6144, 4096): (4, 1024, 1, 4),
+    ("gguf_q4_0_a8", 6144, 4096): (1, 2048, 2, 3),  # session 19: 2-3% less than the format's tile
+    ("gguf_q4_0_a8", 4096, 4096): (1, 2048, 2, 3),
+    ("gguf_q4_0_a8", 4096, 14336): (1, 1024, 1, 3),
+    ("gguf_q4_1_a8", 4096, 14336): (1, 2048, 1, 3),
     # Q6_K on float activations (session 18, us against the format tile): 8B qkv 20.4 -> 18.7, o 20.0 -> 12.9, down
     # 67.3 -> 42.2 (gate/up: the format tile)
     ("gguf_q6_k", 6144, 4096): (1, 1024, 1, 3),
@@ -232,11 +233,7 @@ SHAPE_TILES = {
 # fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these. An
 # entry applies whatever tile a call runs (POLYFUSE_QGEMV_TILES or a sweep's), though it was measured with its own.
 PROGRAMS_PER_SM = {
-    ("gguf_q4_k_a8", 28672, 4096): 8,  # session 18's sweep with the tiles above (the others: the default 2)
-    ("gguf_q4_k_a8", 4096, 14336): 8,
-    ("gguf_q5_k_a8", 6144, 4096): 8,
-    ("gguf_q5_k_a8", 28672, 4096): 4,
-    ("gguf_q6_k_a8", 6144, 4096): 1,
+    ("gguf_q6_k_a8", 6144, 4096): 1,  # session 18's sweep with the tiles above (the others: the default 2)
     ("int4", 6144, 4096): 4,
     ("int4", 4096, 4096): 8,
     ("int4", 28672, 4096): 16,

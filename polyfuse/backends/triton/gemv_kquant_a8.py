@@ -1,7 +1,7 @@
 """One-row GEMV on GGUF Q4_K / Q5_K / Q6_K super-blocks times int8 activations, on integer dot products (``dp4a``).
 
-Opt-in (``POLYFUSE_GGUF_A8=1``, read at import; a module attribute, so benchmarks can switch it), as llama.cpp's CUDA
-backend runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
+Reached through gemv_gguf_a8.py (the switch ``POLYFUSE_GGUF_A8`` and what it takes), as llama.cpp's CUDA backend
+runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
 (polyfuse/ops/act_int8.py has the arithmetic; act_int8.py here writes it in natural order), and a K-quant sub-block of
 32 weights lines up with one such block. gemv_kquant.py converts every weight to float and multiplies it with a float
 activation (about 1.1 TB/s of packed bytes on the H200, slower than bf16 cuBLAS); here one 32-bit word of quant bytes
@@ -23,12 +23,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._qgemv import programs_per_sm, split_buffers, split_plan, store_out, tiles_for
 from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row
-from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_kquant
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
-
-
-ENABLED = GGUF_REQUESTED
 
 
 @triton.jit
@@ -73,24 +68,26 @@ def _gemv_kquant_a8_kernel(
     Q5: tl.constexpr, WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, BLOCK_B super-blocks, 4 runs, 8 words]: a super-block's header (d and dmin, the 12 scale
-    bytes) is four word loads, decoded in registers for its 4 runs; each run's 8 quant words hold sub-blocks 2 j (low
-    nibbles) and 2 j + 1 (high)."""
+    """Tiles [BLOCK_N rows, 4 BLOCK_B runs, 8 words]: run j of a super-block is its words 8 j .. 8 j + 7, holding
+    sub-blocks 2 j (low nibbles) and 2 j + 1 (high); its super-block's header (d and dmin, the 12 scale bytes) is
+    four word loads, decoded in registers. Session 19: 3-D tiles, every run its own element of the middle axis (the
+    32-weight kernel's shape), took 22-28% off the 4-D [rows, super-blocks, runs, words] version per layer."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n4 = n[:, None, None, None]
+    n3 = n[:, None, None]
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
-    bb = tl.arange(0, BLOCK_B)[None, :, None, None]
-    j = tl.arange(0, 4)[None, None, :, None]
-    r = tl.arange(0, 8)[None, None, None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_B, 4, 1], dtype=tl.float32)
+    G: tl.constexpr = 4 * BLOCK_B
+    g = tl.arange(0, G)[None, :, None]
+    j = g % 4
+    r = tl.arange(0, 8)[None, None, :]
+    acc = tl.zeros([BLOCK_N, G, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        sb = b0 + bb  # [1, BLOCK_B, 1, 1]
+        sb = b0 + g // 4  # [1, G, 1]
         g_mask = sb < b_end
-        m = (n4 < N) & g_mask
-        wb = n4 * row_words + sb * WORDS  # the super-block's first word
+        m = (n3 < N) & g_mask
+        wb = n3 * row_words + sb * WORDS  # the super-block's first word
         hd = tl.load(W32 + wb, mask=m, other=0)
         s0 = tl.load(W32 + wb + 1, mask=m, other=0)
         s1 = tl.load(W32 + wb + 2, mask=m, other=0)
@@ -105,8 +102,8 @@ def _gemv_kquant_a8_kernel(
         xw = sb * 64 + 16 * j + r  # activation words of weights 256 sb + 64 j + 4 r ..
         x_lo = tl.load(XW + xw, mask=g_mask, other=0)
         x_hi = tl.load(XW + xw + 8, mask=g_mask, other=0)
-        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3, keep_dims=True).to(tl.float32)
-        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3, keep_dims=True).to(tl.float32)
+        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=2, keep_dims=True).to(tl.float32)
+        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=2, keep_dims=True).to(tl.float32)
         blk = sb * 8 + 2 * j  # activation block of sub-block 2 j
         dx_lo = tl.load(DX + blk, mask=g_mask, other=0.0)
         dx_hi = tl.load(DX + blk + 1, mask=g_mask, other=0.0)
@@ -117,7 +114,7 @@ def _gemv_kquant_a8_kernel(
         d = _fp16_half(hd, False)
         dmin = _fp16_half(hd, True)
         acc += d * (sc_lo * (dx_lo * dot_lo) + sc_hi * (dx_hi * dot_hi)) - dmin * (m_lo * rs_lo + m_hi * rs_hi)
-    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
 
 
@@ -169,13 +166,6 @@ def _gemv_q6k_a8_kernel(
         acc += (d * sc) * (dx * (dot - 32 * xs).to(tl.float32))
     out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
     store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
-
-
-def accepts(x: torch.Tensor, qw, up=None) -> bool:
-    """Whether the K-quant A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), Q4_K,
-    Q5_K or Q6_K (ops/act_int8.py ``takes_kquant``), a float activation dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU
-    interpreter."""
-    return ENABLED and takes_kquant(qw) and takes_row(x, qw.shape[1], up)
 
 
 def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):

@@ -1,5 +1,5 @@
 """``add_rms_norm_linear_q`` for one row of int4 weights: the norm's kernel, then the one-row GEMV, launched as a pair
-(and for GGUF Q4_K / Q5_K / Q6_K with POLYFUSE_GGUF_A8=1: the norm's kernel writes the row quantized to int8, as for W4A8).
+(and for GGUF weights, unless POLYFUSE_GGUF_A8=0: the norm's kernel writes the row quantized to int8, as for W4A8).
 
 The int4 GEMV loads its first weight tiles before its PDL wait (_qgemv.prefetch_tiles): nothing before it writes them.
 With plain PDL the GEMV may launch only once the norm's kernel has passed its own wait, so those loads overlap just the
@@ -23,15 +23,15 @@ from typing import Optional
 
 import torch
 
-from polyfuse.backends.triton import gemv_gptq_a8, gemv_kquant_a8, quant_gemv
+from polyfuse.backends.triton import gemv_gguf_a8, gemv_gptq_a8, quant_gemv
 from polyfuse.backends.triton._util import rows
 from polyfuse.backends.triton.act_int8 import norm_quantize_row
 from polyfuse.backends.triton.rms_norm import rms_norm_forward
 
 
 def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) -> Optional[str]:
-    kquant_a8 = gemv_kquant_a8.accepts(x, qweight) and _one_dtype(x, residual, weight)
-    if not quant_gemv.paired(qweight) and not kquant_a8:
+    gguf_a8 = gemv_gguf_a8.accepts(x, qweight) and _one_dtype(x, residual, weight)
+    if not quant_gemv.paired(qweight) and not gguf_a8:
         return f"{qweight.format}: its GEMV loads no weights before its wait (the composite's order is faster)"
     if residual is not None and residual.shape != x.shape:
         return "x and residual shapes differ"
@@ -55,10 +55,10 @@ def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
         xw, dx, rs, r = norm_quantize_row(rows(x, h), None if residual is None else rows(residual, h), weight, eps)
         out = gemv_gptq_a8.gemv_gptq_a8((xw, dx, rs), qweight, x.dtype, bias).view(*x.shape[:-1], qweight.shape[0])
         return out, (x if residual is None else r.view(x.shape))
-    if gemv_kquant_a8.accepts(x, qweight) and _one_dtype(x, residual, weight):  # the same, in natural order
+    if gemv_gguf_a8.accepts(x, qweight) and _one_dtype(x, residual, weight):  # the same, in natural order
         res = None if residual is None else rows(residual, h)
         xw, dx, rs, r = norm_quantize_row(rows(x, h), res, weight, eps, natural=True)
-        out = gemv_kquant_a8.gemv_kquant_a8((xw, dx, rs), qweight, x.dtype, bias).view(*x.shape[:-1], qweight.shape[0])
+        out = gemv_gguf_a8.gemv_gguf_a8((xw, dx, rs), qweight, x.dtype, bias).view(*x.shape[:-1], qweight.shape[0])
         return out, (x if residual is None else r.view(x.shape))
     y, _, r = rms_norm_forward(rows(x, h), weight, eps, None if residual is None else rows(residual, h), early=True)
     out = quant_gemv.linear_q(y.view(x.shape), qweight, bias)

@@ -2,8 +2,8 @@
 dequantizes in its loads (for ``swiglu_linear_q`` with SwiGLU folded into the activation loads, or for the PAIRED
 formats SwiGLU's own kernel launched to let the GEMV start first), one kernel per layout (gemv_scaled.py: int8 / fp8 /
 fp8_block; gemv_gptq.py: int4, or gemv_gptq_a8.py on int8 activations with POLYFUSE_INT4_A8=1; gemv_gguf.py: GGUF
-Q8_0 / Q4_0 / Q4_1; gemv_kquant.py: GGUF Q4_K / Q5_K / Q6_K, or gemv_kquant_a8.py on int8 activations for them
-with POLYFUSE_GGUF_A8=1). Anything else (more than one row, a format
+Q8_0 / Q4_0 / Q4_1; gemv_kquant.py: GGUF Q4_K / Q5_K / Q6_K; or gemv_gguf_a8.py on int8 activations for every
+GGUF type unless POLYFUSE_GGUF_A8=0). Anything else (more than one row, a format
 without a kernel, gradients) is declined to the registry's next choice (the native reference: dequantize +
 ``F.linear``, i.e. cuBLAS on a GPU)."""
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from polyfuse.backends.triton import gemv_gptq_a8, gemv_kquant_a8
+from polyfuse.backends.triton import gemv_gguf_a8, gemv_gptq_a8
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 
 
@@ -87,11 +87,11 @@ def _gemv(x, up, qweight, bias):
 
         xq = quantize_row(_row(x), None if up is None else _row(up))
         return gemv_gptq_a8.gemv_gptq_a8(xq, qweight, x.dtype, bias)
-    if gemv_kquant_a8.accepts(x, qweight, up):  # POLYFUSE_GGUF_A8=1: the K-quants on int8 activations
+    if gemv_gguf_a8.accepts(x, qweight, up):  # GGUF on int8 activations (unless POLYFUSE_GGUF_A8=0)
         from polyfuse.backends.triton.act_int8 import quantize_row
 
         xq = quantize_row(_row(x), None if up is None else _row(up), natural=True)
-        return gemv_kquant_a8.gemv_kquant_a8(xq, qweight, x.dtype, bias)
+        return gemv_gguf_a8.gemv_gguf_a8(xq, qweight, x.dtype, bias)
     if fmt in SCALED:
         from polyfuse.backends.triton.gemv_scaled import gemv_scaled as kernel
     elif fmt == "int4":

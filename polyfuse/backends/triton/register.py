@@ -109,7 +109,7 @@ def implementations() -> list[Implementation]:
 
 
 A8_NOTE = ("; int4 on int8 activations (W4A8, dp4a: POLYFUSE_INT4_A8=1)" if INT4_A8 else "") + (
-    "; gguf_q4_k/q5_k/q6_k on int8 activations (dp4a: POLYFUSE_GGUF_A8=1)" if GGUF_A8 else ""
+    "; gguf_* on int8 activations (dp4a; POLYFUSE_GGUF_A8=0: float)" if GGUF_A8 else "; gguf_* on float activations"
 )
 QUANT_NOTE = (
     "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q5_k/q6_k in its loads"
@@ -137,7 +137,7 @@ SWIGLU_SCALED_MM_NOTE = (
 NORM_GEMV_NOTE = (
     "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV"
     + (" (the norm's kernel quantizing its row to int8: W4A8)" if INT4_A8 else "")
-    + ("; gguf_q4_k/q5_k/q6_k: the norm's kernel quantizing its row to int8, then the A8 GEMV" if GGUF_A8 else "")
+    + ("; gguf_*: the norm's kernel quantizing its row to int8, then the int8-activation GEMV" if GGUF_A8 else "")
 )
 NORM_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: the norm's rows quantized to e4m3 per token in the norm's kernel + "

@@ -1,15 +1,16 @@
-"""The opt-in GGUF Q4_K / Q5_K / Q6_K one-row GEMV on int8 activations (POLYFUSE_GGUF_A8=1): the activations quantized in
-blocks of 32 in natural order (backends/triton/act_int8.py ``natural``), the GEMV on integer dot products
-(backends/triton/gemv_kquant_a8.py). Bytes against the torch reference bit for bit, the GEMV against the float64
+"""The GGUF one-row GEMV on int8 activations (POLYFUSE_GGUF_A8): the activations quantized in blocks of 32 in natural
+order (backends/triton/act_int8.py ``natural``), the GEMV on integer dot products (backends/triton/gemv_gguf_a8.py:
+Q8_0 / Q4_0 / Q4_1; gemv_kquant_a8.py: Q4_K / Q5_K / Q6_K). Bytes against the torch reference bit for bit, the GEMV against the float64
 product of the dequantized weight and activations, a tiny GGUF model's decode against the native model fed the same
 activations."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
-from quant_cases import random_kquant
+from quant_cases import random_gguf
 
 from polyfuse.core import registry
 from polyfuse.ops import quant_formats as qf
@@ -18,7 +19,7 @@ from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
 
 pytest.importorskip("triton")
 
-from polyfuse.backends.triton import gemv_kquant_a8 as ka8  # noqa: E402
+from polyfuse.backends.triton import gemv_gguf_a8 as ga8  # noqa: E402
 from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
 
 
@@ -73,17 +74,25 @@ def _on(qw, device):
     return dataclasses.replace(qw, qweight=qw.qweight.to(device))
 
 
+GGUF = ["gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["gguf_q4_k", "gguf_q5_k", "gguf_q6_k"])
+@pytest.mark.parametrize("fmt", GGUF)
 def test_gemv_against_the_reference(device, fmt):
-    """Our packing and super-blocks of random bytes (every scale / min / high-bit pattern, negative and zero d,
-    Q6_K's negative scales), N not a multiple of the row block, 1..5 splits, two super-blocks a step, an odd number
-    of super-blocks per row (Q6_K's 210-byte super-blocks then start off 4-byte boundaries), bias: within 1e-5 of
-    the largest output of the float64 reference. Q4_K's mins, Q5_K's fifth bits and Q6_K's high bits are seen: a
-    wrong one moves it far past."""
+    """Our packing and (super-)blocks of random bytes (every quant pattern, every K-quant scale / min / high-bit
+    pattern, negative and zero d, Q6_K's negative scales), N not a multiple of the row block, 1..5 splits, several
+    blocks a step, an odd number of super-blocks per row (Q6_K's 210-byte super-blocks then start off 4-byte
+    boundaries; Q8_0 / Q4_0 read their blocks by pairs: a split may start on either of a pair), bias: within 1e-5 of
+    the largest output of the float64 reference. Q4_1's and Q4_K's mins, Q5_K's fifth bits, Q6_K's high bits and the
+    second block of a Q8_0 / Q4_0 pair are seen: a wrong one moves it far past."""
     gen = torch.Generator().manual_seed(2)
-    for n, k, tiles in ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2))):
-        for qw in (qf.quantize(fmt, torch.randn(n, k, generator=gen) * 0.05), random_kquant(fmt, n, k, seed=n)):
+    if fmt in qf.K_QUANTS:
+        cases = ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2)))
+    else:
+        cases = ((40, 768, None), (9, 1344, (4, 128, 1, 2)), (33, 576, (8, 64, 2, 2)))
+    for n, k, tiles in cases:
+        for qw in (qf.quantize(fmt, torch.randn(n, k, generator=gen) * 0.05), random_gguf(fmt, n, k, seed=n)):
             qw = _on(qw, device)
             x = (torch.randn(1, k, generator=gen) + 0.3).to(device)
             bias = torch.randn(n, generator=gen).to(device)
@@ -91,39 +100,47 @@ def test_gemv_against_the_reference(device, fmt):
             want = reference(x, qw, bias)
             for split in (1, 2, 5):
                 with torch.inference_mode():
-                    got = ka8.gemv_kquant_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
+                    got = ga8.gemv_gguf_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
                 err = (got.double() - want).abs().max().item()
                 assert err <= 1e-5 * want.abs().max().item(), (n, k, split, err)
-    raw = qw.qweight.view(n, -1, qf.GGUF_BYTES[fmt]).clone()
-    # a scale byte (Q4_K: scale and min of sub-block 0), a qh byte (Q5_K's fifth bits, Q6_K's high bits)
-    at = {"gguf_q4_k": 4, "gguf_q5_k": 16, "gguf_q6_k": 128}[fmt]
-    raw[:, :, at] ^= 0x21
+    nbytes = qf.GGUF_BYTES[fmt]
+    raw = qw.qweight.view(n, -1, nbytes).clone()
+    # Q4_K: scale and min of sub-block 0; Q5_K's fifth bits, Q6_K's high bits; Q4_1's m; the pair's second block's
+    # last quant byte (Q8_0 / Q4_0)
+    at = {"gguf_q4_k": 4, "gguf_q5_k": 16, "gguf_q6_k": 128, "gguf_q4_1": 3}.get(fmt, 2 * nbytes - 1)
+    raw.view(n, -1)[:, torch.arange(at, raw.numel() // n, 2 * nbytes if at >= nbytes else nbytes)] ^= 0x21
     bad = dataclasses.replace(qw, qweight=raw.view(n, -1))
     assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
 
 
 def test_accepts_and_the_dispatch(monkeypatch):
-    """Off by default; with it on, one-row Q4_K / Q5_K / Q6_K linear_q, swiglu_linear_q and add_rms_norm_linear_q
-    (the gemv_q implementations) run the A8 kernel and give its numbers; other formats, several rows and an up of
-    another dtype are declined to the float-activation GEMV."""
+    """On unless POLYFUSE_GGUF_A8=0; on, one-row GGUF linear_q, swiglu_linear_q and add_rms_norm_linear_q (the gemv_q
+    implementations) run the A8 kernel and give its numbers; other formats, Q8_0 / Q4_0 rows of an odd number of
+    blocks, several rows and an up of another dtype are declined to the float-activation GEMV; off, every call."""
     from polyfuse.backends.triton import norm_gemv, quant_gemv
     from polyfuse.backends.triton.swiglu import swiglu_forward
+    from polyfuse.ops import act_int8
+
+    assert ga8.ENABLED == act_int8.GGUF_REQUESTED == (os.environ.get("POLYFUSE_GGUF_A8", "1") != "0")
 
     qw = qf.quantize("gguf_q5_k", torch.randn(48, 512) * 0.05)
     x = torch.randn(1, 512)
-    monkeypatch.setattr(ka8, "ENABLED", False)
-    assert not ka8.accepts(x, qw)
+    monkeypatch.setattr(ga8, "ENABLED", False)
+    assert not ga8.accepts(x, qw)
     assert norm_gemv.accepts_add_rms_norm_linear_q(x, x, torch.rand(512), 1e-6, qw) is not None
-    monkeypatch.setattr(ka8, "ENABLED", True)
-    assert ka8.accepts(x, qw) and ka8.accepts(x[:, :256].bfloat16(), qf.quantize("gguf_q4_k", torch.randn(8, 256)))
-    assert ka8.accepts(x, qf.quantize("gguf_q6_k", torch.randn(48, 512)))
-    assert not ka8.accepts(x, qf.quantize("gguf_q8_0", torch.randn(48, 512)))
-    assert not ka8.accepts(x, qf.quantize("int4", torch.randn(48, 512)))
-    assert not ka8.accepts(torch.randn(2, 512), qw)
-    assert not ka8.accepts(x, qw, up=torch.randn(1, 512).bfloat16())
+    monkeypatch.setattr(ga8, "ENABLED", True)
+    assert ga8.accepts(x, qw) and ga8.accepts(x[:, :256].bfloat16(), qf.quantize("gguf_q4_k", torch.randn(8, 256)))
+    for fmt in ("gguf_q6_k", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1"):
+        assert ga8.accepts(x, qf.quantize(fmt, torch.randn(48, 512)))
+    assert ga8.accepts(x[:, :480], qf.quantize("gguf_q4_1", torch.randn(48, 480)))
+    assert not ga8.accepts(x[:, :480], qf.quantize("gguf_q8_0", torch.randn(48, 480)))  # 15 blocks: no pairs
+    assert not ga8.accepts(x[:, :480], qf.quantize("gguf_q4_0", torch.randn(48, 480)))
+    assert not ga8.accepts(x, qf.quantize("int4", torch.randn(48, 512)))
+    assert not ga8.accepts(torch.randn(2, 512), qw)
+    assert not ga8.accepts(x, qw, up=torch.randn(1, 512).bfloat16())
     calls = []
-    real = ka8.gemv_kquant_a8
-    monkeypatch.setattr(ka8, "gemv_kquant_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ga8.gemv_gguf_a8
+    monkeypatch.setattr(ga8, "gemv_gguf_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
     gate, up = torch.randn(1, 1, 512), torch.randn(1, 1, 512)
     weight, res = torch.rand(512), torch.randn(1, 1, 512)
     with torch.inference_mode():
@@ -137,33 +154,33 @@ def test_accepts_and_the_dispatch(monkeypatch):
         xw, dx, rs, r = norm_quantize_row(x, res.view(1, 512), weight, 1e-6, natural=True)
         assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
         assert len(calls) == 3
-        quant_gemv.linear_q(x, qf.quantize("gguf_q8_0", torch.randn(48, 512)))
+        quant_gemv.linear_q(x[:, :480], qf.quantize("gguf_q8_0", torch.randn(48, 480)))
     assert len(calls) == 3
 
 
 def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
-    """Greedy decode of a tiny K-quant GGUF (q/k/v and gate/up Q5_K, o Q4_K, down Q6_K) through the A8 path
+    """Greedy decode of a tiny GGUF (q/k/v Q5_K, o Q4_K, gate/up Q4_1, down Q8_0) through the A8 path
     against the native model whose projections get the same int8 activations (bench/act_int8.py): the same tokens,
     each one-row step's logits within float32 rounding."""
     from polyfuse.backends.triton import _qgemv
     from polyfuse.bench.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
 
-    for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q6_k_a8"):  # few programs: the interpreter runs each one
+    for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q4_1_a8", "gguf_q8_0_a8"):  # few programs: the interpreter
         monkeypatch.setitem(_qgemv.TILES, fmt, (64, 256, 1, 1))
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
-    types = {"q_proj": "Q5_K", "k_proj": "Q5_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "gate_proj": "Q5_K",
-             "up_proj": "Q5_K", "down_proj": "Q6_K"}  # fmt: skip
+    types = {"q_proj": "Q5_K", "k_proj": "Q5_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q8_0"}  # fmt: skip
     write_tiny_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM.from_config(cfg, seed=5), types)
     ids = torch.tensor([[5, 17, 9, 42, 7]])
     calls = []
-    real = ka8.gemv_kquant_a8
-    monkeypatch.setattr(ka8, "gemv_kquant_a8", lambda *a, **k: calls.append(a[1].format) or real(*a, **k))
+    real = ga8.gemv_gguf_a8
+    monkeypatch.setattr(ga8, "gemv_gguf_a8", lambda *a, **k: calls.append(a[1].format) or real(*a, **k))
     runs, steps = {}, {}
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-        monkeypatch.setattr(ka8, "ENABLED", name == "a8")
+        monkeypatch.setattr(ga8, "ENABLED", name == "a8")
         logits = steps[name] = []
         if name == "a8":
             for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
@@ -180,7 +197,7 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
         model.forward = record
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
     # 3 one-row steps x 2 layers x (q/k/v, o, gate/up, down)
-    assert sorted(set(calls)) == ["gguf_q4_k", "gguf_q5_k", "gguf_q6_k"] and len(calls) == 3 * 2 * 4
+    assert sorted(set(calls)) == ["gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q8_0"] and len(calls) == 3 * 2 * 4
     assert torch.equal(runs["a8"], runs["emulated"])
     for got, want in list(zip(steps["a8"], steps["emulated"]))[1:]:
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()
