@@ -71,9 +71,10 @@ def _gemv_gguf_a8_kernel(
         m = (n3 < N) & b_mask
         if PAIRED:  # pair b // 2 is 2 Q + 1 words: [d0, q0 (2 Q words)] [d1, q1] in half-words
             second = (b % 2) == 1
+            first = (b % 2) == 0  # not ~second: triton 3.3's interpreter cannot invert an int1 tensor
             pw = n3 * row_words + (b // 2) * (2 * Q + 1)
             a = tl.load(W32 + pw + r + tl.where(second, Q + 1, 0), mask=m, other=0)
-            c = tl.load(W32 + pw + r + 1, mask=m & ~second, other=0)
+            c = tl.load(W32 + pw + r + 1, mask=m & first, other=0)
             qs = tl.where(second, a, ((a >> 16) & 0xFFFF) | (c << 16))
             hd = tl.load(W32 + pw + tl.where(second, Q, 0), mask=m, other=0)
             hd = tl.where(second, (hd >> 16) & 0xFFFF, hd)
