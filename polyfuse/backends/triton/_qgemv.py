@@ -146,11 +146,11 @@ TILES = {
     "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py; session 16)
     "gguf_q5_k": (1, 1024, 1, 3),  # session 18: 8B per layer 183 -> 133 us against Q4_K's tile
     # gemv_kquant_a8.py / gemv_gguf_a8.py, swept on the 8B projections (session 19: one row per program, 1-2 warps,
-    # 32-64 blocks a step won every projection, the K-quants at 8B and 70B; a program per row fills the GPU, so K is
-    # not split)
+    # 32-64 blocks a step won every projection, Q4_K / Q5_K at 8B and 70B too; a program per row fills the GPU, so K
+    # is not split)
     "gguf_q4_k_a8": (1, 2048, 1, 3),
     "gguf_q5_k_a8": (1, 2048, 1, 3),
-    "gguf_q6_k_a8": (1, 1024, 1, 3),  # 8B per layer 154.9 -> 108.3 us against (2, 1024)
+    "gguf_q6_k_a8": (1, 2048, 2, 3),  # 3-D tiles (session 19): 8B per layer 109.8 -> 105.6 us
     "gguf_q8_0_a8": (1, 2048, 1, 3),
     "gguf_q4_0_a8": (1, 2048, 1, 3),
     "gguf_q4_1_a8": (1, 2048, 2, 3),
@@ -233,7 +233,6 @@ SHAPE_TILES = {
 # fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these. An
 # entry applies whatever tile a call runs (POLYFUSE_QGEMV_TILES or a sweep's), though it was measured with its own.
 PROGRAMS_PER_SM = {
-    ("gguf_q6_k_a8", 6144, 4096): 1,  # session 18's sweep with the tiles above (the others: the default 2)
     ("int4", 6144, 4096): 4,
     ("int4", 4096, 4096): 8,
     ("int4", 28672, 4096): 16,

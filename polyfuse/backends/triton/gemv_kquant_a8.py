@@ -131,40 +131,41 @@ def _gemv_q6k_a8_kernel(
     HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
     ASM: tl.constexpr,
 ):  # fmt: skip
-    """Q6_K: tiles [BLOCK_N rows, 8 BLOCK_B quarters, 2 groups of 16, 4 words]. Quarter (h, s) of a super-block is
-    weights 128 h + 32 s + l: low (s < 2) or high nibbles of ql bytes 64 h + 32 (s % 2) + l, the 2 high bits at bits
-    2 s of qh byte 32 h + l; one int8 scale per 16. A super-block is 210 bytes, so its words are read as 16-bit
-    halves. sum (q - 32) q_x = sum q q_x - 32 sum q_x, both from dp4a (the second against 0x01010101)."""
+    """Q6_K: tiles [BLOCK_N rows, 16 BLOCK_B groups of 16 weights, 4 words] (3-D, as the other kernels'). Group 2 p + t
+    of a step is half t of quarter p; quarter (h, s) of a super-block is weights 128 h + 32 s + l: low (s < 2) or high
+    nibbles of ql bytes 64 h + 32 (s % 2) + l, the 2 high bits at bits 2 s of qh byte 32 h + l; one int8 scale per
+    16. A super-block is 210 bytes, so its words are read as 16-bit halves. sum (q - 32) q_x = sum q q_x - 32 sum q_x,
+    both from dp4a (the second against 0x01010101)."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n4 = n[:, None, None, None]
+    n3 = n[:, None, None]
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
-    G: tl.constexpr = 8 * BLOCK_B
-    g = tl.arange(0, G)[None, :, None, None]
-    t = tl.arange(0, 2)[None, None, :, None]
-    w = tl.arange(0, 4)[None, None, None, :]
-    h = (g // 4) % 2
-    s = g % 4
-    acc = tl.zeros([BLOCK_N, G, 2, 1], dtype=tl.float32)
+    G: tl.constexpr = 16 * BLOCK_B
+    g = tl.arange(0, G)[None, :, None]
+    w = tl.arange(0, 4)[None, None, :]
+    p = g // 2  # the quarter within the step
+    t = g % 2
+    h = (p // 4) % 2
+    s = p % 4
+    acc = tl.zeros([BLOCK_N, G, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        sb = b0 + g // 8  # [1, G, 1, 1]
+        sb = b0 + p // 8  # [1, G, 1]
         g_mask = sb < b_end
-        m = (n4 < N) & g_mask
-        base = n4 * row_halves + sb * 105  # the super-block's first half-word (210 bytes)
-        lq = base + 32 * h + 16 * (s % 2) + 8 * t + 2 * w  # ql bytes 64 h + 32 (s % 2) + 16 t + 4 w ..
-        ql = _word(W16, lq, m)
+        m = (n3 < N) & g_mask
+        base = n3 * row_halves + sb * 105  # the super-block's first half-word (210 bytes)
+        ql = _word(W16, base + 32 * h + 16 * (s % 2) + 8 * t + 2 * w, m)  # ql bytes 64 h + 32 (s % 2) + 16 t + 4 w
         qh = _word(W16, base + 64 + 16 * h + 8 * t + 2 * w, m)  # qh bytes 128 + 32 h + 16 t + 4 w ..
         q = ((ql >> (4 * (s // 2))) & 0x0F0F0F0F) | (((qh >> (2 * s)) & 0x03030303) << 4)
         xw = tl.load(XW + sb * 64 + 32 * h + 8 * s + 4 * t + w, mask=g_mask, other=0)
-        dot = tl.sum(_dp4a(q, xw, ASM), axis=3, keep_dims=True)
-        xs = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, ASM), axis=3, keep_dims=True)
+        dot = tl.sum(_dp4a(q, xw, ASM), axis=2, keep_dims=True)
+        xs = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, ASM), axis=2, keep_dims=True)
         sc = tl.load(W8 + 2 * base + 192 + 8 * h + 2 * s + t, mask=m, other=0).to(tl.float32)
         d = tl.load(W16 + base + 104, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
         dx = tl.load(DX + sb * 8 + 4 * h + s, mask=g_mask, other=0.0)
         acc += (d * sc) * (dx * (dot - 32 * xs).to(tl.float32))
-    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
 
 
