@@ -115,12 +115,14 @@ class StepTimer:
         return 1e3 * statistics.median(d)
 
 
-def quant_label(args) -> str:
-    """The rows' ``quant``: the format, +lm_head, +a8 where the one-row GEMV runs on int8 activations (int4 with
-    POLYFUSE_INT4_A8=1, the GGUF types unless POLYFUSE_GGUF_A8=0)."""
+def quant_label(args, batch: int, device) -> str:
+    """A row's ``quant``: the format, +lm_head, +a8 where its decode steps' GEMVs run on int8 activations: one row on
+    a CUDA device, with int4 and POLYFUSE_INT4_A8=1 or a GGUF type unless POLYFUSE_GGUF_A8=0 (batch > 1 and the
+    prefill keep float activations)."""
     a8 = (args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1") or (
         args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
     )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
+    a8 = a8 and batch == 1 and torch.device(device).type == "cuda"
     return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
 
 
@@ -352,7 +354,7 @@ def main():
                 kv = model.cache.nbytes() if model.cache is not None else 0
                 row = decode_row("polyfuse", shape, bs, ms, warm, peak)
                 if args.quant:
-                    row["quant"] = quant_label(args)
+                    row["quant"] = quant_label(args, bs, device)
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:
@@ -563,7 +565,7 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                 if extra:
                     row["variant"] = extra
                 if args.quant:
-                    row["quant"] = quant_label(args)
+                    row["quant"] = quant_label(args, bs, device)
                 log(row, out)
         del model
         if cuda:

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from polyfuse.ops.act_int8 import PAIRED_BLOCKS
 from polyfuse.ops.quant_formats import (
     FORMATS,
     GGUF_BYTES,
@@ -73,6 +74,8 @@ def _shapes(big, fmt=None):
     """The cases' shapes; a GGUF K-quant's K rounded up to its 256-weight super-blocks."""
     if fmt in K_QUANTS:
         return [(lead, -(-k // GGUF_SUPER) * GGUF_SUPER, n) for lead, k, n in _shapes(big)]
+    if fmt in PAIRED_BLOCKS and not big:  # K = 288 is 9 blocks, which the int8-activation GEMV declines; 320 it runs
+        return [*_float_shapes(big), ((1, 1), 320, 40)]
     return _float_shapes(big)
 
 

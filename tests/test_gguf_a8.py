@@ -5,11 +5,12 @@ product of the dequantized weight and activations, a tiny GGUF model's decode ag
 activations."""
 
 import dataclasses
-import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
+from helpers import dist_env, one_thread, run_session, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
 from quant_cases import random_gguf
 
 from polyfuse.core import registry
@@ -23,6 +24,7 @@ from polyfuse.backends.triton import gemv_gguf_a8 as ga8  # noqa: E402
 from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
 
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -90,7 +92,8 @@ def test_gemv_against_the_reference(device, fmt):
     if fmt in qf.K_QUANTS:
         cases = ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2)))
     else:
-        cases = ((40, 768, None), (9, 1344, (4, 128, 1, 2)), (33, 576, (8, 64, 2, 2)))
+        # one block a step: 2 splits of 5 blocks, the second starting on a pair's second block
+        cases = ((40, 768, None), (9, 1344, (4, 128, 1, 2)), (33, 576, (8, 64, 2, 2)), (7, 320, (2, 32, 1, 1)))
     for n, k, tiles in cases:
         for qw in (qf.quantize(fmt, torch.randn(n, k, generator=gen) * 0.05), random_gguf(fmt, n, k, seed=n)):
             qw = _on(qw, device)
@@ -113,6 +116,18 @@ def test_gemv_against_the_reference(device, fmt):
     assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
 
 
+def test_the_switch_is_read_from_the_environment():
+    """POLYFUSE_GGUF_A8 is read at import: unset or any value but "0" turns the A8 path on, "0" off."""
+    code = "from polyfuse.backends.triton import gemv_gguf_a8 as g; print(g.ENABLED)"
+    for value, want in ((None, "True"), ("0", "False"), ("off", "True")):
+        env = dist_env(PYTHONPATH=str(ROOT))
+        env.pop("POLYFUSE_GGUF_A8", None)
+        if value is not None:
+            env["POLYFUSE_GGUF_A8"] = value
+        out = run_session([sys.executable, "-c", code], 120, env, ROOT)
+        assert out.returncode == 0 and out.stdout.strip() == want, (value, out.stderr[-2000:])
+
+
 def test_accepts_and_the_dispatch(monkeypatch):
     """On unless POLYFUSE_GGUF_A8=0; on, one-row GGUF linear_q, swiglu_linear_q and add_rms_norm_linear_q (the gemv_q
     implementations) run the A8 kernel and give its numbers; other formats, Q8_0 / Q4_0 rows of an odd number of
@@ -121,7 +136,7 @@ def test_accepts_and_the_dispatch(monkeypatch):
     from polyfuse.backends.triton.swiglu import swiglu_forward
     from polyfuse.ops import act_int8
 
-    assert ga8.ENABLED == act_int8.GGUF_REQUESTED == (os.environ.get("POLYFUSE_GGUF_A8", "1") != "0")
+    assert ga8.ENABLED == act_int8.GGUF_REQUESTED
 
     qw = qf.quantize("gguf_q5_k", torch.randn(48, 512) * 0.05)
     x = torch.randn(1, 512)

@@ -14,6 +14,7 @@
 
 import copy
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import math
@@ -103,16 +104,26 @@ def test_quantize_dequantize_error_and_layout(fmt, bound):
 
 def test_gguf_32_weight_quantizer_is_the_gguf_packages():
     """Q8_0 / Q4_0 / Q4_1 packed by our torch quantizer (random-weight benchmarks pack 8B models with it on the GPU)
-    equal the gguf package's bytes (llama.cpp's reference quantizer): zero blocks, ties, blocks of one value."""
+    equal the gguf package's bytes (llama.cpp's reference quantizer in float32 numpy, as of gguf 0.19): zero blocks,
+    ties, blocks of one value, blocks below float32's normal range (1 / d overflows: quants 0). A block whose minimum
+    is both +0.0 and -0.0 takes the first, as ggml's C does (numpy may take the other: same value, other m bytes)."""
     gguf = pytest.importorskip("gguf")
+    version = importlib.metadata.version("gguf")
+    if tuple(int(p) for p in version.split(".")[:2]) < (0, 19):
+        pytest.skip(f"checked against gguf 0.19's quantizer, not {version}'s")
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(24, 512, generator=gen) * 0.05
     w[0, :32], w[1, :32], w[3, :16] = 0.0, 0.01, 1e-9
     w[2, :32] = torch.tensor([0.5, -0.5] * 16)
     w[4] = torch.round(w[4] * 100) / 100  # ties in the scaled values
+    w[5, :32], w[5, 32] = 1e-40, -2e-40  # subnormal: 1 / d overflows
     for fmt, ggml in (("gguf_q8_0", "Q8_0"), ("gguf_q4_0", "Q4_0"), ("gguf_q4_1", "Q4_1")):
         ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[ggml])
         assert np.array_equal(qf.quantize(fmt, w).qweight.numpy(), ref), fmt
+    w = torch.rand(2, 32, generator=gen) * 0.1
+    w[:, 3], w[:, 7] = torch.tensor([0.0, -0.0]), torch.tensor([-0.0, 0.0])
+    m = qf.quantize("gguf_q4_1", w).qweight[:, 2:4].contiguous().view(torch.float16)[:, 0]
+    assert torch.equal(torch.signbit(m), torch.tensor([False, True])) and torch.all(m == 0)
 
 
 def test_gguf_dequantization_is_the_gguf_packages():

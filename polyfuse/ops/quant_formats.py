@@ -373,30 +373,44 @@ def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K / 32 * bytes]: Q8_0 / Q4_0 / Q4_1 blocks of w as llama.cpp's reference quantizer (and the gguf
-    package) writes them, bit for bit, in float32 torch arithmetic on w's device (no copy to the host)."""
+    """uint8 [N, K / 32 * bytes]: Q8_0 / Q4_0 / Q4_1 blocks of w as llama.cpp's reference quantizer writes them in
+    float32 without fused multiply-adds (the gguf package's numpy quantizer: equal bytes, tested on the CPU), in torch
+    arithmetic on w's device (no copy to the host). Every division is by a tensor: CUDA divides a tensor by a Python
+    number as a multiply by its reciprocal, which rounds differently. A block whose scale d is so small that 1 / d
+    overflows (|w| < ~1e-36, below float32's normal range) gets quants 0, as llama.cpp's conversion of inf gives on x86
+    (C leaves it undefined) and the gguf package writes; its fp16 d is 0, so any quant dequantizes to the same value.
+    Q4_1's m is the first of equal minima, as ggml's strict < keeps it (-0.0 or +0.0: the gguf package may take the
+    other zero, which has other m bytes and the same value)."""
     n, k = w.shape
     v = w.float().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
 
-    def inverse(d):
-        return torch.where(d == 0, torch.zeros_like(d), 1.0 / torch.where(d == 0, torch.ones_like(d), d))
+    def inverse(d):  # 1 / d, 0 where d is 0 or 1 / d overflows
+        one = torch.ones_like(d)
+        inv = one / torch.where(d == 0, one, d)
+        return torch.where((d == 0) | inv.isinf(), torch.zeros_like(d), inv)
+
+    def zero_overflow(q, d):
+        return torch.where((d != 0) & (inverse(d) == 0), torch.zeros_like(q), q)
+
+    def divide(x, by):
+        return x / torch.full_like(x, by)
 
     if fmt == "gguf_q8_0":
-        d = v.abs().amax(-1, keepdim=True) / 127
+        d = divide(v.abs().amax(-1, keepdim=True), 127.0)
         a = (v * inverse(d)).abs()  # rounded half away from zero, as ggml's roundf
-        q = torch.sign(v * inverse(d)) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a))))
+        q = zero_overflow(torch.sign(v * inverse(d)) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a)))), d)
         parts = [_fp16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)]
     else:
         if fmt == "gguf_q4_0":  # the value of largest magnitude (the first of equals) is -8 d
-            d = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True)) / -8
+            d = divide(torch.gather(v, -1, v.abs().argmax(-1, keepdim=True)), -8.0)
             q = torch.trunc(v * inverse(d) + 8.5)
             head = [_fp16_bytes(d[..., 0])]
         else:
-            lo = v.amin(-1, keepdim=True)
-            d = (v.amax(-1, keepdim=True) - lo) / 15
+            lo = torch.gather(v, -1, v.argmin(-1, keepdim=True))
+            d = divide(v.amax(-1, keepdim=True) - lo, 15.0)
             q = torch.trunc((v - lo) * inverse(d) + 0.5)
             head = [_fp16_bytes(d[..., 0]), _fp16_bytes(lo[..., 0])]
-        q = q.clamp(0, 15).to(torch.uint8)
+        q = zero_overflow(q, d).clamp(0, 15).to(torch.uint8)
         parts = [*head, q[..., :16] | (q[..., 16:] << 4)]
     return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
