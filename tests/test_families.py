@@ -233,8 +233,9 @@ def test_polyfuse_save_transformers_load(tmp_path, family):
 # -- GGUF ----------------------------------------------------------------------------------------------------------
 
 
-def write_gguf(hf, arch: str, path: Path) -> Path:
-    """A float32 GGUF as llama.cpp's converter writes qwen2 / qwen3 (their q/k rows are not permuted)."""
+def write_gguf(hf, arch: str, path: Path, types: dict = None) -> Path:
+    """A float32 GGUF as llama.cpp's converter writes qwen2 / qwen3 (their q/k rows are not permuted); ``types``:
+    {projection name: ggml type} of weights written quantized by the gguf package (biases stay float32)."""
     gguf = pytest.importorskip("gguf")  # a dependency, absent from some GPU images (make test-cuda)
 
     cfg = hf.config
@@ -251,7 +252,13 @@ def write_gguf(hf, arch: str, path: Path) -> Path:
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: no output.weight, llama.cpp reads token_embd
         base, suffix = key.rsplit(".", 1)
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", t.detach().float().numpy().astype(np.float32))
+        data = t.detach().float().numpy().astype(np.float32)
+        ggml = next((v for part, v in (types or {}).items() if suffix == "weight" and base.endswith(part)), None)
+        if ggml is None:
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", data)
+        else:
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType[ggml])
+            w.add_tensor(f"{names.get_name(base)}.{suffix}", q, raw_dtype=gguf.GGMLQuantizationType[ggml])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -274,6 +281,28 @@ def test_gguf_matches_transformers(tmp_path, family, overrides):
     assert rope_parameters(ours.config)["rope_theta"] == 1e6
     ids, mask = left_padded(random_rows((14, 9), VOCAB, seed=6))
     assert logits_diff(ours, hf, ids, mask) <= ATOL
+
+
+def test_gguf_qkv_in_two_types_with_biases_is_kept_as_a_stack(tmp_path):
+    """Qwen2 (q/k/v biases) from a GGUF whose q/k are Q8_0 and v Q4_0: q/k/v kept as a QLinearStack (one Q8_0 weight
+    for q/k, one Q4_0 for v, then the fused bias), the logits of the same file loaded dequantized; saved and loaded
+    back, the same logits."""
+    from polyfuse.engine import quantize as qz
+
+    hf = hf_model("qwen2", seed=8, hidden_size=64, intermediate_size=128)
+    write_gguf(hf, "qwen2", tmp_path / "mixed.gguf", {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q4_0"})
+    dense = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mixed.gguf")
+    kept = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mixed.gguf", quant="gguf")
+    qkv = kept.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, qz.QLinearStack) and qkv.bias is not None and qkv.bias.count_nonzero() > 0
+    assert [q.format for q in qkv.segments] == ["gguf_q8_0", "gguf_q4_0"] and not qz.quantized_modules(dense)
+    assert torch.equal(qkv.bias, dense.model.layers[0].self_attn.qkv_proj.bias)
+    ids, mask = left_padded(random_rows((3, 9), VOCAB, seed=8))
+    assert logits_diff(kept, dense, ids, mask) <= 1e-5
+    kept.save_pretrained(tmp_path / "saved")  # the bias under q/k/v_proj.bias, each part's packed weight in its type
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert isinstance(back.model.layers[0].self_attn.qkv_proj, qz.QLinearStack)
+    assert logits_diff(back, kept, ids, mask) == 0.0
 
 
 # -- polyfuse.patch on transformers' models ------------------------------------------------------------------------

@@ -614,8 +614,9 @@ def test_gguf_kept_where_a_kernel_takes_it():
 
 
 def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
-    """q/k Q4_1 with v Q8_0 (one fused projection, two types: dequantized), o Q4_0 and gate/up Q8_0 (kept), down
-    Q5_0 (no kernel: dequantized); the kept model computes what the dequantized one does."""
+    """q/k Q4_1 with v Q8_0 (one fused projection, two types: a QLinearStack, q/k one Q4_1 weight, v one Q8_0), o Q4_0
+    and gate/up Q8_0 (kept), down Q5_0 (no kernel: dequantized with one warning); the kept model computes what the
+    dequantized one does."""
     cfg = tiny_config(hidden_size=256, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     model = LlamaForCausalLM.from_config(cfg, seed=2)
@@ -626,19 +627,27 @@ def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
     assert not qz.quantized_modules(dense)
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-    formats = {n: m.format for n, m in qz.quantized_modules(kept).items()}
-    assert formats == {"model.layers.0.self_attn.o_proj": "gguf_q4_0", "model.layers.0.mlp.gate_up_proj": "gguf_q8_0"}
+    got = {n: (m.format, m.parts, [p for p, _ in m.hf_parts]) for n, m in qz.quantized_modules(kept).items()}
+    attn = "model.layers.0.self_attn"
+    assert got == {
+        f"{attn}.qkv_proj.segments.0": ("gguf_q4_1", (256, 128), [f"{attn}.q_proj", f"{attn}.k_proj"]),
+        f"{attn}.qkv_proj.segments.1": ("gguf_q8_0", (128,), [f"{attn}.v_proj"]),
+        f"{attn}.o_proj": ("gguf_q4_0", (256,), [f"{attn}.o_proj"]),
+        "model.layers.0.mlp.gate_up_proj": ("gguf_q8_0", (256, 256), ["model.layers.0.mlp.gate_proj",
+                                                                      "model.layers.0.mlp.up_proj"]),
+    }  # fmt: skip
     lines = sorted(r.getMessage() for r in caplog.records)
-    assert len(lines) == 2, lines
+    assert len(lines) == 1, lines
     assert "GGUF type Q5_0 has no quantized kernel: dequantized at load" in lines[0] and "down_proj" in lines[0]
-    assert "fused parts have different GGUF types (Q4_1, Q8_0)" in lines[1] and "qkv_proj" in lines[1]
     assert rel(logits(kept), logits(dense)) < 1e-6
+    assert "1 fused projection(s) with parts in different formats" in qz.report(kept)
 
 
 def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
-    """A Q4_K_M-style file: q/k, o and gate/up Q4_K, v and down Q6_K. o, gate/up (Q4_K) and down (Q6_K) are kept
-    (the native reference on the CPU; the Triton kernels have their conformance cases) and compute what the
-    dequantized model does, greedy tokens included; qkv (Q4_K with Q6_K) is dequantized with one warning."""
+    """A Q4_K_M-style file: q/k, o and gate/up Q4_K, v and down Q6_K. Every projection is kept, without a warning (the
+    native reference on the CPU; the Triton kernels have their conformance cases): q/k/v as a QLinearStack of a Q4_K
+    q/k weight and a Q6_K v weight. It computes what the dequantized model does, greedy tokens included; saved, it
+    loads back as stored (polyfuse's layout, per-part formats), and dequantized (quant="none") as the same floats."""
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     model = LlamaForCausalLM.from_config(cfg, seed=4)
@@ -648,15 +657,25 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-    formats = {n: m.format for n, m in qz.quantized_modules(kept).items()}
-    assert formats == {"model.layers.0.self_attn.o_proj": "gguf_q4_k", "model.layers.0.mlp.gate_up_proj": "gguf_q4_k",
-                       "model.layers.0.mlp.down_proj": "gguf_q6_k"}  # fmt: skip
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "fused parts have different GGUF types (Q4_K, Q6_K)" in lines[0], lines
-    assert rel(logits(kept), logits(dense)) < 1e-5
+    formats = {n.removeprefix("model.layers.0."): m.format for n, m in qz.quantized_modules(kept).items()}
+    assert formats == {"self_attn.qkv_proj.segments.0": "gguf_q4_k", "self_attn.qkv_proj.segments.1": "gguf_q6_k",
+                       "self_attn.o_proj": "gguf_q4_k", "mlp.gate_up_proj": "gguf_q4_k",
+                       "mlp.down_proj": "gguf_q6_k"}  # fmt: skip
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    want = logits(dense)
+    assert rel(logits(kept), want) < 1e-5
     ids = torch.tensor([[5, 17, 9, 42]])
     out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
     assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    kept.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["formats"]["model.layers.0.self_attn.v_proj"] == "gguf_q6_k"
+    assert qc["formats"]["model.layers.0.self_attn.k_proj"] == "gguf_q4_k"
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert isinstance(back.model.layers[0].self_attn.qkv_proj, qz.QLinearStack)
+    assert torch.equal(logits(back), logits(kept))
+    floats = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), quant="none")
+    assert not qz.quantized_modules(floats) and rel(logits(floats), want) < 1e-5
 
 
 def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):

@@ -233,7 +233,7 @@ def test_quantized_tp2_matches_tp1(tp_results, case):
     """Quantized checkpoints (int4, int8, fp8, fp8_block, each with its LM head packed) saved at TP=1 and loaded at
     TP=2, a float checkpoint quantized to int4 while loading (groups aligned with the split; the tied head packed
     by quantize_lm_head_ from the replicated embedding's rows), and a GGUF's Q8_0 / Q4_0 / Q4_1 blocks kept (and
-    one's Q4_K / Q6_K super-blocks, down_proj's split between them): the
+    a Q4_K_M-style one's Q4_K / Q6_K super-blocks, down_proj's split between them, q/k/v a stack of two formats): the
     weights are the TP=1 model's, so logits agree to float32 summation order and the greedy tokens are equal."""
     r0, r1 = (res["cases"][case] for res in tp_results)
     assert r0["tokens"] == r0["ref_tokens"] and r1["tokens"] == r0["tokens"]
@@ -244,8 +244,9 @@ def test_quantized_tp2_matches_tp1(tp_results, case):
         assert r0["formats"] == r1["formats"] == [case.split("_", 1)[1]]
     if case == "gguf":
         assert r0["formats"] == r1["formats"] == ["gguf_q4_0", "gguf_q4_1", "gguf_q8_0"]
-    if case == "gguf_k":
+    if case == "gguf_k":  # each rank: q (2 heads of 64) and k (1) in Q4_K, v (1) in Q6_K
         assert r0["formats"] == r1["formats"] == ["gguf_q4_k", "gguf_q6_k", "gguf_q8_0"]
+        assert r0["qkv_segments"] == r1["qkv_segments"] == [["gguf_q4_k", 192], ["gguf_q6_k", 64]]
     if case == "load_int4":  # each rank packs its own rows of the fused q/k/v: 2 q heads + 1 k + 1 v of 64
         assert r0["local_qkv_rows"] == r1["local_qkv_rows"] == 256
 

@@ -134,8 +134,9 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
       ``quantize_lm_head_`` (tied: the replicated embedding's rows); int4 groups align, so TP=2 equals TP=1;
       int8 scales come from each rank's own columns of o_proj / down_proj (close to TP=1, not equal);
     * ``gguf``: a GGUF with Q8_0 / Q4_0 / Q4_1 projections kept as stored (``quant="gguf"``);
-    * ``gguf_k``: a GGUF with K-quants kept (q/k/v and gate/up Q4_K, down Q6_K: its 512 columns split on the
-      256-weight super-blocks; o Q8_0: each rank's 128 of its 256 columns cannot hold a super-block);
+    * ``gguf_k``: a Q4_K_M-style GGUF with K-quants kept (q/k and gate/up Q4_K, v Q6_K: q/k/v a QLinearStack of
+      each rank's q/k rows in Q4_K and v rows in Q6_K; down Q6_K: its 512 columns split on the 256-weight
+      super-blocks; o Q8_0: each rank's 128 of its 256 columns cannot hold a super-block);
     * ``split_error``: an int4 checkpoint whose down_proj halves (192 columns) split a group: one error on every
       rank, before any weight is read."""
     from helpers import write_tiny_gguf
@@ -153,7 +154,7 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
         write_tiny_gguf(os.path.join(root, "tiny.gguf"), whole, {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q8_0",
                         "o_proj": "Q4_0", "gate_proj": "Q4_1", "up_proj": "Q4_1", "down_proj": "Q8_0"})  # fmt: skip
         write_tiny_gguf(os.path.join(root, "tiny_k.gguf"), whole, {"q_proj": "Q4_K", "k_proj": "Q4_K",
-                        "v_proj": "Q4_K", "o_proj": "Q8_0", "gate_proj": "Q4_K", "up_proj": "Q4_K",
+                        "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q4_K", "up_proj": "Q4_K",
                         "down_proj": "Q6_K"})  # fmt: skip
     dist.barrier()
     llama = family_for("llama")
@@ -209,6 +210,8 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
     model = AutoModelForCausalLM.from_pretrained(root, gguf_file="tiny_k.gguf", quant="gguf", **kw).eval()
     out["gguf_k"] = compare(model, ref, ids, mask, 8, eos=7)
     out["gguf_k"]["formats"] = sorted({m.format for m in quantized_modules(model).values()})
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    out["gguf_k"]["qkv_segments"] = [(q.format, q.out_features) for q in getattr(qkv, "segments", ())]
 
     # Uneven halves (qwen2_uneven: 65 + 64 MLP columns): int4 packs 8 rows a word, so rank 0's gate/up and down stay
     # float (one warning) while rank 1's are int4; the ranks still agree on the model and decode together.

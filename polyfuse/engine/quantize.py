@@ -100,6 +100,26 @@ class QLinear(nn.Module):
         )
 
 
+class QLinearStack(nn.Module):
+    """A fused projection whose checkpoint parts are packed in different formats (a Q4_K_M GGUF's q/k Q4_K with v
+    Q6_K, or a polyfuse save of one): one QLinear per run of consecutive parts in one format (``segments``, each
+    with its ``hf_parts``), projected one after the other and concatenated in row order (models/decoder.py
+    ``project``), then the fused bias. Not an ``nn.Linear``: it has no dense weight."""
+
+    def __init__(self, in_features: int, out_features: int, segments: list, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.segments = nn.ModuleList(segments)
+        self.parts = tuple(s for q in segments for s in q.parts)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def quantized_modules(model) -> dict[str, QLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
 
@@ -228,7 +248,10 @@ class QuantSetup:
         self.request, self.ckpt, self.keep_gguf = request, ckpt, keep_gguf
         self.device, self.dtype = torch.device(device), dtype
         self.qmodules: dict[str, QLinear] = {}
-        self.staged: dict[str, tuple] = {}  # dense module -> (format, group size, parts) of its packed tensors
+        self.staged: dict[
+            str, tuple
+        ] = {}  # dense module -> ({part: (format, group size)}, parts) of its packed tensors
+        self.stacks: dict[str, list] = {}  # QLinearStack -> [(first row, row after, segment module name)]
         self.keep: set = set()  # GGUF weight names read as stored
         self.dense_why: dict[str, list] = {}
         self.filled: dict = {}
@@ -261,7 +284,11 @@ class QuantSetup:
             if other:
                 return None, 0, f"GGUF type {'/'.join(other)} has no quantized kernel: dequantized at load"
             if len(types) > 1 and self.keep_gguf and not types & set(GGUF_FLOAT):
-                return None, 0, f"fused parts have different GGUF types ({', '.join(sorted(types))}): dequantized"
+                return (
+                    None,
+                    0,
+                    f"fused parts of GGUF types {', '.join(sorted(types))} not all packable here: dequantized",
+                )
             return None, 0, ""
         packed = [any(f"{p}.{c}" in ck.keys for c in ("qweight", "weight_scale")) for p, _ in parts]
         if not any(packed):
@@ -270,7 +297,12 @@ class QuantSetup:
             raise CheckpointError(f"{name}: some of its fused parts are quantized in the checkpoint, some are not")
         if ck.kind == "polyfuse":
             fmts = {ck.formats.get(p) for p, _ in parts}
-            if len(fmts) != 1 or None in fmts:
+            if None in fmts:
+                raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
+            if self.request == "none":  # each part dequantized in its own format
+                self.staged[name] = ({p: (ck.formats[p], int(ck.groups.get(p, INT4_GROUP))) for p, _ in parts}, parts)
+                return None, 0, ""
+            if len(fmts) != 1:  # only where a part cannot be packed in its format (_segments declined)
                 raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
             fmt, group = fmts.pop(), int(ck.groups.get(parts[0][0], INT4_GROUP))
         else:  # group_size -1: one group over all of K (of the whole projection, under tensor parallelism)
@@ -279,15 +311,60 @@ class QuantSetup:
             )
             fmt, group = ck.fmt, ck.group_size if ck.group_size > 0 else whole_k
         if self.request == "none":
-            self.staged[name] = (fmt, group, parts)
+            self.staged[name] = (dict.fromkeys((p for p, _ in parts), (fmt, group)), parts)
             return None, 0, ""
         if fmt == "int4" and len(parts) > 1:
             g_idx = [ck.read(f"{p}.g_idx") for p, _ in parts if f"{p}.g_idx" in ck.keys]
             if any(not torch.equal(g_idx[0], g) for g in g_idx[1:]):
-                self.staged[name] = (fmt, group, parts)
+                self.staged[name] = (dict.fromkeys((p for p, _ in parts), (fmt, group)), parts)
                 return None, 0, "act-order GPTQ: its fused parts have different g_idx: dequantized at load"
         self._check_split(fmt, group, parts)
         return fmt, group, ""
+
+    def _segments(self, lin: nn.Linear, parts) -> Optional[list]:
+        """[(format, group size, parts)] of a fused projection whose parts are kept in different formats (a K-quant
+        GGUF's q/k Q4_K with v Q6_K; a polyfuse save of one), one run of consecutive parts per format; None where its
+        parts share one format, or where one of them is not kept (``_module_format`` decides those)."""
+        ck = self.ckpt
+        if len(parts) < 2 or self.request in LOAD_TIME_FORMATS or self.random:
+            return None
+        if ck.kind == "gguf" and self.keep_gguf:
+            kinds = [(GGUF_TYPES.get(ck.gguf_types.get(p + ".weight")), 0) for p, _ in parts]
+        elif ck.kind == "polyfuse" and self.request != "none":
+            kinds = [(ck.formats.get(p), int(ck.groups.get(p, INT4_GROUP))) for p, _ in parts]
+            if any(f"{p}.qweight" not in ck.keys for p, _ in parts):
+                return None
+        else:
+            return None
+        if any(fmt is None for fmt, _ in kinds) or len(set(kinds)) == 1:
+            return None
+        runs: list = []
+        for part, kind in zip(parts, kinds):
+            if runs and runs[-1][:2] == kind:
+                runs[-1][2].append(part)
+            else:
+                runs.append((*kind, [part]))
+        if any(cannot_pack(fmt, lin.in_features, tuple(s for _, s in seg)) for fmt, _, seg in runs):
+            return None
+        for fmt, group, seg in runs:
+            self._check_split(fmt, group, seg)
+        return runs
+
+    def _stack(self, model, name: str, lin: nn.Linear, runs: list) -> None:
+        """Swap ``name`` for a QLinearStack of one QLinear per run (meta device, as ``apply``)."""
+        with torch.device("meta"):
+            segs = [QLinear(lin.in_features, sum(s for _, s in seg), fmt, False, lin.weight.dtype, group or INT4_GROUP,
+                            tuple(s for _, s in seg)) for fmt, group, seg in runs]  # fmt: skip
+            stack = QLinearStack(lin.in_features, lin.out_features, segs, lin.bias is not None, lin.weight.dtype)
+        start = 0
+        for i, (q, (fmt, _, seg)) in enumerate(zip(segs, runs)):
+            q.hf_parts = seg
+            self.qmodules[f"{name}.segments.{i}"] = q
+            self.stacks.setdefault(name, []).append((start, start + q.out_features, f"{name}.segments.{i}"))
+            start += q.out_features
+            if fmt.startswith("gguf"):
+                self.keep.update(p + ".weight" for p, _ in seg)
+        _set_module(model, name, stack)
 
     def _check_split(self, fmt: str, group: int, parts) -> None:
         """Tensor parallelism: this rank's rows / columns of each part must be cut from its packed components."""
@@ -322,6 +399,10 @@ class QuantSetup:
             head.weight = nn.Parameter(torch.empty(shape, dtype=w.dtype, device=w.device), w.requires_grad)
         for name, lin in _candidates(model) + extra:
             parts = _parts(model, name, lin.out_features)
+            runs = self._segments(lin, parts)
+            if runs is not None:
+                self._stack(model, name, lin, runs)
+                continue
             fmt, group, why = self._module_format(name, lin, parts)
             if why:
                 self.dense_why.setdefault(why, []).append(name)
@@ -357,6 +438,11 @@ class QuantSetup:
         """Copy one checkpoint tensor (already mapped to the model's module ``name`` and output ``rows``) if it
         belongs to a quantized projection; returns the checkpoint name it satisfies, or None (not ours)."""
         mod, _, comp = name.rpartition(".")
+        if mod in self.stacks and comp != "bias":  # the segment holding these rows (the bias is the stack's own)
+            start, stop, seg = next(x for x in self.stacks[mod] if x[0] <= rows.start < x[1])
+            if rows.stop > stop:
+                raise CheckpointError(f"{name}: rows {rows.start}:{rows.stop} span two formats of {mod}")
+            mod, rows = seg, slice(rows.start - start, rows.stop - start)
         if mod not in self.qmodules and mod not in self.staged:
             return None
         if comp == "bias":
@@ -439,9 +525,10 @@ class QuantSetup:
 
     def _stage(self, mod: str, rows, comp: str, tensor) -> Optional[str]:
         """A packed tensor of a projection loaded dense: collected per part, dequantized once the part is whole."""
-        fmt, group, parts = self.staged[mod]
+        fmts, parts = self.staged[mod]
         rows = rows or slice(0, sum(s for _, s in parts))
         hf = next(p for (p, _), start in zip(parts, _starts(parts)) if start == rows.start)
+        fmt, group = fmts[hf]
         if comp in IGNORED:
             return f"{hf}.{comp}"
         buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
@@ -758,6 +845,9 @@ def report(model) -> str:
     head = "" if head_quantized(model) else " and the LM head"
     lines = [f"quantized weights: {len(qs)} projection(s); {dense} other projection(s){head} in {dtype}"]
     lines += [f"  {fmt}: {n}" for fmt, n in counts.items()]
+    stacks = [m for m in model.modules() if isinstance(m, QLinearStack)]
+    if stacks:
+        lines.append(f"  {len(stacks)} fused projection(s) with parts in different formats: one GEMV per format")
     kernels = getattr(model, "kernels", None)
     if kernels is not None:
         from polyfuse.core.registry import NATIVE, ops
