@@ -134,9 +134,6 @@ def test_accepts_and_the_dispatch(monkeypatch):
     blocks, several rows and an up of another dtype are declined to the float-activation GEMV; off, every call."""
     from polyfuse.backends.triton import norm_gemv, quant_gemv
     from polyfuse.backends.triton.swiglu import swiglu_forward
-    from polyfuse.ops import act_int8
-
-    assert ga8.ENABLED == act_int8.GGUF_REQUESTED
 
     qw = qf.quantize("gguf_q5_k", torch.randn(48, 512) * 0.05)
     x = torch.randn(1, 512)

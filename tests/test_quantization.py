@@ -117,13 +117,47 @@ def test_gguf_32_weight_quantizer_is_the_gguf_packages():
     w[2, :32] = torch.tensor([0.5, -0.5] * 16)
     w[4] = torch.round(w[4] * 100) / 100  # ties in the scaled values
     w[5, :32], w[5, 32] = 1e-40, -2e-40  # subnormal: 1 / d overflows
+    tricky = tricky_32_weights()
+    tricky[5] = 0.1  # its signed zeros: the gguf package's numpy reductions may pick the other zero (same value)
     for fmt, ggml in (("gguf_q8_0", "Q8_0"), ("gguf_q4_0", "Q4_0"), ("gguf_q4_1", "Q4_1")):
-        ref = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[ggml])
-        assert np.array_equal(qf.quantize(fmt, w).qweight.numpy(), ref), fmt
+        for x in (w, tricky):
+            ref = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType[ggml])
+            assert np.array_equal(qf.quantize(fmt, x).qweight.numpy(), ref), fmt
     w = torch.rand(2, 32, generator=gen) * 0.1
     w[:, 3], w[:, 7] = torch.tensor([0.0, -0.0]), torch.tensor([-0.0, 0.0])
     m = qf.quantize("gguf_q4_1", w).qweight[:, 2:4].contiguous().view(torch.float16)[:, 0]
     assert torch.equal(torch.signbit(m), torch.tensor([False, True])) and torch.all(m == 0)
+    zeros = torch.zeros(2, 32)
+    zeros[0, 0] = zeros[1, 1:] = -0.0  # [-0, +0 ...] and [+0, -0 ...]: C's Q4_0 d = +0 / -8, Q4_1's d = max - min
+    d0 = qf.quantize("gguf_q4_0", zeros).qweight[:, :2].contiguous().view(torch.float16)[:, 0]
+    d1 = qf.quantize("gguf_q4_1", zeros).qweight[:, :2].contiguous().view(torch.float16)[:, 0]
+    assert torch.equal(torch.signbit(d0), torch.tensor([True, True]))
+    assert torch.equal(torch.signbit(d1), torch.tensor([False, False]))
+
+
+def tricky_32_weights() -> torch.Tensor:
+    """Rows that tell the packers apart: random blocks, ties, zero and one-value blocks, signed zeros, blocks whose 1 / d
+    overflows, and scaled values whose product with 1 / d rounds differently from a division."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 256, generator=gen) * 0.05
+    w[0, :32], w[1, :32], w[2, :32] = 0.0, 0.01, 1e-9
+    w[3] = torch.round(w[3] * 100) / 100
+    w[4, :32], w[4, 32] = 1e-40, -2e-40
+    w[5, :32] = -0.0
+    w[5, 40], w[5, 50] = 0.0, -0.0
+    w[6:] *= torch.logspace(-3, 3, 58).unsqueeze(1)
+    return w
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["gguf_q8_0", "gguf_q4_0", "gguf_q4_1"])
+def test_gguf_32_weight_quantizer_on_cuda_writes_the_cpu_bytes(fmt):
+    """On a CUDA device (where a tensor divided by a Python number is multiplied by its reciprocal, and reductions
+    pick among equal values in their own order) the packer writes the CPU's bytes, which are llama.cpp's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    w = tricky_32_weights()
+    assert torch.equal(qf.quantize(fmt, w.cuda()).qweight.cpu(), qf.quantize(fmt, w).qweight)
 
 
 def test_gguf_dequantization_is_the_gguf_packages():

@@ -439,6 +439,8 @@ class QuantSetup:
         belongs to a quantized projection; returns the checkpoint name it satisfies, or None (not ours)."""
         mod, _, comp = name.rpartition(".")
         if mod in self.stacks and comp != "bias":  # the segment holding these rows (the bias is the stack's own)
+            if rows is None:
+                raise CheckpointError(f"{name}: {mod} holds parts in different formats; a tensor of all its rows")
             start, stop, seg = next(x for x in self.stacks[mod] if x[0] <= rows.start < x[1])
             if rows.stop > stop:
                 raise CheckpointError(f"{name}: rows {rows.start}:{rows.stop} span two formats of {mod}")
@@ -843,11 +845,13 @@ def report(model) -> str:
         counts[key] = counts.get(key, 0) + 1
     dense, dtype = len(_candidates(model)), _name(model.dtype)
     head = "" if head_quantized(model) else " and the LM head"
-    lines = [f"quantized weights: {len(qs)} projection(s); {dense} other projection(s){head} in {dtype}"]
-    lines += [f"  {fmt}: {n}" for fmt, n in counts.items()]
     stacks = [m for m in model.modules() if isinstance(m, QLinearStack)]
+    projections = len(qs) - sum(len(s.segments) - 1 for s in stacks)  # a stack is one projection of its segments
+    lines = [f"quantized weights: {projections} projection(s); {dense} other projection(s){head} in {dtype}"]
+    lines += [f"  {fmt}: {n}" for fmt, n in counts.items()]  # per packed weight: a stack's segments one by one
     if stacks:
-        lines.append(f"  {len(stacks)} fused projection(s) with parts in different formats: one GEMV per format")
+        lines.append(f"  {len(stacks)} fused projection(s) with parts in different formats: "
+                     f"{sum(len(s.segments) for s in stacks)} packed weights, one projection each")  # fmt: skip
     kernels = getattr(model, "kernels", None)
     if kernels is not None:
         from polyfuse.core.registry import NATIVE, ops

@@ -80,8 +80,8 @@ class LMHead(nn.Linear):
 def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
     projection is dispatched. A quantized layer (engine/quantize.py ``QLinear``) goes to the ``linear_q`` ops with
-    its packed weight (a ``QLinearStack``: each format's rows, concatenated), a plain ``nn.Linear`` (or a ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its
-    weight, PEFT's plain LoRA over a plain linear (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a
+    its packed weight (a ``QLinearStack``: each segment's rows, concatenated), a plain ``nn.Linear`` (or a
+    ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its weight, PEFT's plain LoRA over a plain linear (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a
     PEFT layer in another state, a Linear subclass with a forward of its own) is called, so what it adds to the
     projection is kept; the down projection's SwiGLU is computed first."""
     if isinstance(layer, QLinear):

@@ -377,10 +377,11 @@ def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
     float32 without fused multiply-adds (the gguf package's numpy quantizer: equal bytes, tested on the CPU), in torch
     arithmetic on w's device (no copy to the host). Every division is by a tensor: CUDA divides a tensor by a Python
     number as a multiply by its reciprocal, which rounds differently. A block whose scale d is so small that 1 / d
-    overflows (|w| < ~1e-36, below float32's normal range) gets quants 0, as llama.cpp's conversion of inf gives on x86
-    (C leaves it undefined) and the gguf package writes; its fp16 d is 0, so any quant dequantizes to the same value.
-    Q4_1's m is the first of equal minima, as ggml's strict < keeps it (-0.0 or +0.0: the gguf package may take the
-    other zero, which has other m bytes and the same value)."""
+    overflows (d below float32's normal range: the block's largest |w| under ~3.7e-37 for Q8_0, ~2.4e-38 for Q4_0)
+    gets quants 0, as llama.cpp's conversion of inf gives on x86 (C leaves it undefined) and the gguf package writes;
+    its fp16 d is 0, so any quant dequantizes to the same value. Signed zeros as ggml's C loops leave them (the gguf
+    package may differ there: other bytes, the same values): Q4_1's m and max are the first of equal minima / maxima
+    (its strict < and >), and an all-zero Q4_0 block has d = +0 / -8 = -0."""
     n, k = w.shape
     v = w.float().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
 
@@ -389,7 +390,7 @@ def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
         inv = one / torch.where(d == 0, one, d)
         return torch.where((d == 0) | inv.isinf(), torch.zeros_like(d), inv)
 
-    def zero_overflow(q, d):
+    def zero_overflow(q, d):  # Q4_0's 8.5 offset would give 8 there; Q8_0 / Q4_1 give 0 already
         return torch.where((d != 0) & (inverse(d) == 0), torch.zeros_like(q), q)
 
     def divide(x, by):
@@ -401,13 +402,14 @@ def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
         q = zero_overflow(torch.sign(v * inverse(d)) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a)))), d)
         parts = [_fp16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)]
     else:
-        if fmt == "gguf_q4_0":  # the value of largest magnitude (the first of equals) is -8 d
-            d = divide(torch.gather(v, -1, v.abs().argmax(-1, keepdim=True)), -8.0)
+        if fmt == "gguf_q4_0":  # the value of largest magnitude (the first of equals; +0 in a zero block) is -8 d
+            big = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True))
+            d = divide(torch.where(big == 0, torch.zeros_like(big), big), -8.0)
             q = torch.trunc(v * inverse(d) + 8.5)
             head = [_fp16_bytes(d[..., 0])]
         else:
             lo = torch.gather(v, -1, v.argmin(-1, keepdim=True))
-            d = divide(v.amax(-1, keepdim=True) - lo, 15.0)
+            d = divide(torch.gather(v, -1, v.argmax(-1, keepdim=True)) - lo, 15.0)
             q = torch.trunc((v - lo) * inverse(d) + 0.5)
             head = [_fp16_bytes(d[..., 0]), _fp16_bytes(lo[..., 0])]
         q = zero_overflow(q, d).clamp(0, 15).to(torch.uint8)
