@@ -287,21 +287,21 @@ def test_gguf_qkv_in_two_types_with_biases_is_kept_as_a_stack(tmp_path):
     """Qwen2 (q/k/v biases) from a GGUF whose q/k are Q8_0 and v Q4_0: q/k/v kept as a QLinearStack (one Q8_0 weight
     for q/k, one Q4_0 for v, then the fused bias), the logits of the same file loaded dequantized; saved and loaded
     back, the same logits."""
-    from polyfuse.engine import quantize as qz
+    from polyfuse.engine.qlinear import QLinearStack, quantized_modules
 
     hf = hf_model("qwen2", seed=8, hidden_size=64, intermediate_size=128)
     write_gguf(hf, "qwen2", tmp_path / "mixed.gguf", {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q4_0"})
     dense = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mixed.gguf")
     kept = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="mixed.gguf", quant="gguf")
     qkv = kept.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, qz.QLinearStack) and qkv.bias is not None and qkv.bias.count_nonzero() > 0
-    assert [q.format for q in qkv.segments] == ["gguf_q8_0", "gguf_q4_0"] and not qz.quantized_modules(dense)
+    assert isinstance(qkv, QLinearStack) and qkv.bias is not None and qkv.bias.count_nonzero() > 0
+    assert [q.format for q in qkv.segments] == ["gguf_q8_0", "gguf_q4_0"] and not quantized_modules(dense)
     assert torch.equal(qkv.bias, dense.model.layers[0].self_attn.qkv_proj.bias)
     ids, mask = left_padded(random_rows((3, 9), VOCAB, seed=8))
     assert logits_diff(kept, dense, ids, mask) <= 1e-5
     kept.save_pretrained(tmp_path / "saved")  # the bias under q/k/v_proj.bias, each part's packed weight in its type
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
-    assert isinstance(back.model.layers[0].self_attn.qkv_proj, qz.QLinearStack)
+    assert isinstance(back.model.layers[0].self_attn.qkv_proj, QLinearStack)
     assert logits_diff(back, kept, ids, mask) == 0.0
 
 

@@ -8,7 +8,8 @@ import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (autouse: one intra-op thread)
 
 from polyfuse.engine.gptq import dampening, gptq_components
-from polyfuse.engine.quantize import QLinear, quantize_model_
+from polyfuse.engine.qlinear import QLinear
+from polyfuse.engine.quantize import quantize_model_
 from polyfuse.ops import quant_formats as qf
 
 

@@ -177,6 +177,7 @@ def test_quantized_model_runs_habanas_fp8_gemm(gaudi, dtype):
     to Gaudi2's range, and the logits stay near the weight-only reference model's (W8A8 against W8A16)."""
     from helpers import tiny_config
 
+    from polyfuse.engine import qlinear
     from polyfuse.engine import quantize as q
     from polyfuse.models.llama import LlamaForCausalLM
 
@@ -188,7 +189,7 @@ def test_quantized_model_runs_habanas_fp8_gemm(gaudi, dtype):
     q.quantize_model_(model, "fp8")
     _on_hpu_backend(model, {})
     q.finalize(model)  # what loading does once the weights are in: the runtime fits them to the device
-    qs = q.quantized_modules(model)
+    qs = qlinear.quantized_modules(model)
     assert not any(rows_out_of_range(m.qweight).any() for m in qs.values()) or gen == "gaudi3"
     ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     hf.reset()
@@ -229,7 +230,7 @@ def test_loading_says_what_runs_fp8_on_hpu(gaudi, monkeypatch, caplog):
     import logging
     from types import SimpleNamespace
 
-    from polyfuse.engine import quantize as qz
+    from polyfuse.engine import quant_report
 
     for fmt, dtype, want in (
         ("fp8", torch.bfloat16, []),
@@ -238,11 +239,13 @@ def test_loading_says_what_runs_fp8_on_hpu(gaudi, monkeypatch, caplog):
         ("fp8", torch.float16, ["warning: fp8 weights on hpu, a float16 run: Habana's fp8 GEMM takes bfloat16 or "
                                 "float32 activations; they stay fp8 and every call dequantizes them"]),
     ):  # fmt: skip
-        monkeypatch.setattr(qz, "quantized_modules", lambda model, fmt=fmt: {"p": SimpleNamespace(format=fmt)})
+        monkeypatch.setattr(
+            quant_report, "quantized_modules", lambda model, fmt=fmt: {"p": SimpleNamespace(format=fmt)}
+        )
         kernels = registry.resolve(SelectionContext(HPU, dtype))
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=dtype))
+            quant_report.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=dtype))
         assert [r.getMessage() for r in caplog.records] == want
 
 
@@ -250,6 +253,7 @@ def test_weights_quantized_on_a_gaudi2_fit_its_range(gaudi, monkeypatch):
     """Quantizing on the device (--quant fp8 at load, random weights, quantize_model_) scales fp8 to the device's
     range: 240 on Gaudi2, as INC does (Gaudi2 cannot hold the larger codes, so halving afterwards could not repair
     them), 448 elsewhere; the weights are the same up to e4m3's rounding either way."""
+    from polyfuse.engine import qlinear
     from polyfuse.engine import quantize as q
     from polyfuse.engine.quantize import device_quantizer
 
@@ -273,10 +277,10 @@ def test_weights_quantized_on_a_gaudi2_fit_its_range(gaudi, monkeypatch):
     from polyfuse.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_config(tiny_config(), seed=1, quant="fp8")
-    codes = [m.qweight.float().abs().amax() for m in q.quantized_modules(model).values()]
+    codes = [m.qweight.float().abs().amax() for m in qlinear.quantized_modules(model).values()]
     assert codes and all(c == top for c in codes), codes
     model = LlamaForCausalLM.from_config(tiny_config(), seed=1)
     q.quantize_model_(model, "fp8")
     q.quantize_lm_head_(model, "fp8")
-    codes = [m.qweight.float().abs().amax() for m in q.quantized_modules(model).values()]
+    codes = [m.qweight.float().abs().amax() for m in qlinear.quantized_modules(model).values()]
     assert len(codes) == 4 * 2 + 1 and all(c == top for c in codes), codes

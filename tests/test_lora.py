@@ -429,14 +429,14 @@ def test_slices_add_no_parameters_and_follow_the_fused_weight(folders):
 
 
 def test_quantization_ignores_the_slices(folders):
-    from polyfuse.engine import quantize
+    from polyfuse.engine import qlinear, quantize
 
     pf = PfAuto.from_pretrained(folders("llama"))
     candidates = [n for n, _ in quantize._candidates(pf)]
     assert candidates and all(n.rsplit(".", 1)[-1] in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for n in
                               candidates)  # fmt: skip
     quantize.quantize_model_(pf, "int8")
-    assert set(quantize.quantized_modules(pf)) == set(candidates)
+    assert set(qlinear.quantized_modules(pf)) == set(candidates)
     ids = batch(pf.config.vocab_size)
     assert torch.isfinite(pf(ids).logits).all()
 

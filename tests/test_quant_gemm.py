@@ -540,9 +540,9 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
 
     from polyfuse.core.context import SelectionContext
     from polyfuse.core.platform import Platform
-    from polyfuse.engine import quantize as qz
+    from polyfuse.engine import quant_report
 
-    monkeypatch.setattr(qz, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8")})
+    monkeypatch.setattr(quant_report, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8")})
     a100 = Platform("cuda", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
     for ctx, want in (
         (SelectionContext(torch.device("cuda"), torch.bfloat16, platform=a100),
@@ -556,7 +556,7 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
         kernels = registry.Kernels({"linear_q": registry.select("linear_q", ctx)}, ctx)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
+            quant_report.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
         assert [r.getMessage() for r in caplog.records] == [want]
 
 
@@ -568,17 +568,17 @@ def test_fp8_block_says_what_runs_where_the_block_gemm_does_not(monkeypatch, cap
 
     from polyfuse.core.context import SelectionContext
     from polyfuse.core.platform import Platform
-    from polyfuse.engine import quantize as qz
+    from polyfuse.engine import quant_report
 
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch, "__version__", "2.11.0")
-    monkeypatch.setattr(qz, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8_block")})
+    monkeypatch.setattr(quant_report, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8_block")})
     for gpu, want in (("NVIDIA H200", (9, 0)), ("NVIDIA L4", (8, 9))):
         ctx = SelectionContext(torch.device("cuda"), torch.bfloat16, platform=Platform("cuda", "cuda", gpu, want))
         kernels = registry.Kernels({"linear_q": registry.select("linear_q", ctx)}, ctx)
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            qz.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
+            quant_report.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=torch.bfloat16))
         lines = [r.getMessage() for r in caplog.records]
         if want == (9, 0):
             assert lines == []

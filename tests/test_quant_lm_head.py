@@ -9,7 +9,8 @@ import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse.engine import quantize as qz
-from polyfuse.engine.quantize import QLinear
+from polyfuse.engine.qlinear import QLinear
+from polyfuse.engine.quant_report import report
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.ops import quant_formats as qf
 
@@ -52,7 +53,7 @@ def test_head_packed_in_forward_and_decode_saved_and_loaded_back(tiny_dir, tmp_p
     assert qf.dequantize(head.quantized_weight(), torch.float32).sub(head_w).abs().max() < 0.05
     gen = model.generate(IDS, max_new_tokens=6, ignore_eos=True)  # decode steps through head_logits
     assert torch.equal(gen, ref.generate(IDS, max_new_tokens=6, ignore_eos=True))
-    assert "other projection(s) in float32" in qz.report(model)
+    assert "other projection(s) in float32" in report(model)
     # Saved with the packed head and an untied config; loaded back as stored (nothing quantized again).
     model.save_pretrained(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())

@@ -117,7 +117,8 @@ def test_the_load_reads_g_idx_to_refuse_act_order_by_columns_only():
     """QuantSetup's check before any weight is copied: a GPTQ checkpoint's g_idx tells act-order apart; by rows it
     splits, by columns it is refused with one error naming the projection and the way out."""
     from polyfuse.distributed.sharding import TensorParallelError
-    from polyfuse.engine.quantize import Checkpoint, QuantSetup
+    from polyfuse.engine.quant_checkpoint import Checkpoint
+    from polyfuse.engine.quantize import QuantSetup
 
     in_order = torch.arange(256, dtype=torch.int32) // 128
     shuffled = in_order[torch.randperm(256, generator=torch.Generator().manual_seed(0))]
@@ -150,7 +151,8 @@ def test_gguf_blocks_kept_under_tensor_parallelism_are_checked_when_built():
     from torch import nn
 
     from polyfuse.distributed.sharding import TensorParallelError
-    from polyfuse.engine.quantize import Checkpoint, QuantSetup
+    from polyfuse.engine.quant_checkpoint import Checkpoint
+    from polyfuse.engine.quantize import QuantSetup
 
     name = "model.layers.0.mlp.down_proj"
     setup = QuantSetup("gguf", Checkpoint("gguf", gguf_types={f"{name}.weight": "Q4_1"}), True, "cpu", torch.float32)

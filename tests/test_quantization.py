@@ -29,8 +29,10 @@ from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one
 from quant_cases import act_order, quantized, random_gguf
 
 from polyfuse.core import registry
+from polyfuse.engine import quant_report
 from polyfuse.engine import quantize as qz
-from polyfuse.engine.quantize import QLinear
+from polyfuse.engine.qlinear import QLinear, QLinearStack, quantized_modules
+from polyfuse.engine.quant_checkpoint import Checkpoint
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.ops import quant_formats as qf
 
@@ -407,8 +409,8 @@ def packed_state(model) -> dict:
 def test_quantize_at_load_save_and_load_back_as_stored(tiny_dir, tmp_path, monkeypatch, fmt, bound):
     ref = logits(LlamaForCausalLM.from_pretrained(tiny_dir))
     model = LlamaForCausalLM.from_pretrained(tiny_dir, quant=fmt)
-    assert all(isinstance(m, QLinear) and m.format == fmt for m in qz.quantized_modules(model).values())
-    assert len(qz.quantized_modules(model)) == 8 and not isinstance(model.lm_head, QLinear)
+    assert all(isinstance(m, QLinear) and m.format == fmt for m in quantized_modules(model).values())
+    assert len(quantized_modules(model)) == 8 and not isinstance(model.lm_head, QLinear)
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     out = logits(model)
     assert rel(out, ref) < bound
@@ -434,7 +436,7 @@ def test_quantize_at_load_save_and_load_back_as_stored(tiny_dir, tmp_path, monke
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
     # --quant none: dequantized at load, float modules, the same function.
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="none")
-    assert not qz.quantized_modules(dense) and not hasattr(dense.config, "quantization_config")
+    assert not quantized_modules(dense) and not hasattr(dense.config, "quantization_config")
     assert rel(logits(dense), out) < 1e-5
 
 
@@ -471,7 +473,7 @@ def test_bad_requests(tiny_dir, tmp_path):
     LlamaForCausalLM.from_pretrained(tiny_dir, quant="int8").save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="already quantized"):
         LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int4")
-    assert qz.quantized_modules(LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int8"))  # same format: fine
+    assert quantized_modules(LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int8"))  # same format: fine
 
 
 def _write_checkpoint(path, config: dict, tensors: dict) -> None:
@@ -525,10 +527,10 @@ def test_autogptq_checkpoint_loads_as_stored(tiny_dir, tmp_path):
     cfg = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": False}
     expected = _quantized_checkpoint(tiny_dir, str(tmp_path), "int4", writer, cfg)
     model = LlamaForCausalLM.from_pretrained(str(tmp_path))
-    assert {m.format for m in qz.quantized_modules(model).values()} == {"int4"}
+    assert {m.format for m in quantized_modules(model).values()} == {"int4"}
     assert rel(logits(model), logits(expected)) < 1e-5
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="none")  # dequantized at load, part by part
-    assert not qz.quantized_modules(dense) and rel(logits(dense), logits(expected)) < 1e-5
+    assert not quantized_modules(dense) and rel(logits(dense), logits(expected)) < 1e-5
 
 
 def test_act_order_gptq_with_different_g_idx_per_fused_part_is_dequantized(tiny_dir, tmp_path, caplog):
@@ -556,8 +558,8 @@ def test_a_shared_buffer_is_written_before_another_part_compares_with_it():
     release of the loader's lock, the interleaving that failed."""
     import threading
 
-    setup = qz.QuantSetup(None, qz.Checkpoint("gptq", "int4", 32), False, "cpu", torch.float32)
-    q = qz.QLinear(64, 256, "int4", False, torch.float32, group_size=32, parts=(128, 128))
+    setup = qz.QuantSetup(None, Checkpoint("gptq", "int4", 32), False, "cpu", torch.float32)
+    q = QLinear(64, 256, "int4", False, torch.float32, group_size=32, parts=(128, 128))
     g_idx = torch.randperm(64, generator=torch.Generator().manual_seed(0)) // 32
     real, calls = threading.Lock(), []
 
@@ -602,7 +604,7 @@ def test_compressed_tensors_fp8_checkpoint(tiny_dir, tmp_path, strategy):
     expected = _quantized_checkpoint(tiny_dir, str(tmp_path), "fp8", writer, cfg)
     model = LlamaForCausalLM.from_pretrained(str(tmp_path))
     fmt = "fp8" if strategy == "channel" else "fp8_block"
-    assert {m.format for m in qz.quantized_modules(model).values()} == {fmt}
+    assert {m.format for m in quantized_modules(model).values()} == {fmt}
     assert rel(logits(model), logits(expected)) < 1e-5
 
 
@@ -623,13 +625,13 @@ def test_one_row_decode_through_the_triton_gemv(tiny_dir):
 
 def test_report_names_formats_and_kernels(tiny_dir):
     model = LlamaForCausalLM.from_pretrained(tiny_dir, quant="int4")
-    text = qz.report(model)
+    text = quant_report.report(model)
     assert "8 projection(s)" in text and "int4 weight-only, AutoGPTQ layout, asymmetric, group 128: 8" in text
     assert (
         "  linear_q: native (dequantize + F.linear)" in text
         and "  swiglu_linear_q: composite swiglu + linear_q" in text
     )
-    assert qz.report(LlamaForCausalLM.from_pretrained(tiny_dir)) == ""
+    assert quant_report.report(LlamaForCausalLM.from_pretrained(tiny_dir)) == ""
 
 
 def test_gguf_kept_where_a_kernel_takes_it():
@@ -658,10 +660,10 @@ def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
              "up_proj": "Q8_0", "down_proj": "Q5_0"}  # fmt: skip
     write_tiny_gguf(tmp_path / "tiny.gguf", model, types)
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")  # CPU default: dequantized
-    assert not qz.quantized_modules(dense)
+    assert not quantized_modules(dense)
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-    got = {n: (m.format, m.parts, [p for p, _ in m.hf_parts]) for n, m in qz.quantized_modules(kept).items()}
+    got = {n: (m.format, m.parts, [p for p, _ in m.hf_parts]) for n, m in quantized_modules(kept).items()}
     attn = "model.layers.0.self_attn"
     assert got == {
         f"{attn}.qkv_proj.segments.0": ("gguf_q4_1", (256, 128), [f"{attn}.q_proj", f"{attn}.k_proj"]),
@@ -674,7 +676,7 @@ def test_gguf_kept_mixed_and_unkept_types(tmp_path, caplog):
     assert len(lines) == 1, lines
     assert "GGUF type Q5_0 has no quantized kernel: dequantized at load" in lines[0] and "down_proj" in lines[0]
     assert rel(logits(kept), logits(dense)) < 1e-6
-    assert "1 fused projection(s) with parts in different formats" in qz.report(kept)
+    assert "1 fused projection(s) with parts in different formats" in quant_report.report(kept)
 
 
 def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
@@ -691,7 +693,7 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-    formats = {n.removeprefix("model.layers.0."): m.format for n, m in qz.quantized_modules(kept).items()}
+    formats = {n.removeprefix("model.layers.0."): m.format for n, m in quantized_modules(kept).items()}
     assert formats == {"self_attn.qkv_proj.segments.0": "gguf_q4_k", "self_attn.qkv_proj.segments.1": "gguf_q6_k",
                        "self_attn.o_proj": "gguf_q4_k", "mlp.gate_up_proj": "gguf_q4_k",
                        "mlp.down_proj": "gguf_q6_k"}  # fmt: skip
@@ -706,10 +708,10 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
     assert qc["formats"]["model.layers.0.self_attn.v_proj"] == "gguf_q6_k"
     assert qc["formats"]["model.layers.0.self_attn.k_proj"] == "gguf_q4_k"
     back = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
-    assert isinstance(back.model.layers[0].self_attn.qkv_proj, qz.QLinearStack)
+    assert isinstance(back.model.layers[0].self_attn.qkv_proj, QLinearStack)
     assert torch.equal(logits(back), logits(kept))
     floats = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), quant="none")
-    assert not qz.quantized_modules(floats) and rel(logits(floats), want) < 1e-5
+    assert not quantized_modules(floats) and rel(logits(floats), want) < 1e-5
 
 
 def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
@@ -724,7 +726,7 @@ def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-    formats = {n.split(".")[-1]: m.format for n, m in qz.quantized_modules(kept).items()}
+    formats = {n.split(".")[-1]: m.format for n, m in quantized_modules(kept).items()}
     assert formats == {"qkv_proj": "gguf_q5_k", "o_proj": "gguf_q5_k", "gate_up_proj": "gguf_q5_k",
                        "down_proj": "gguf_q6_k"}  # fmt: skip
     assert not caplog.records, [r.getMessage() for r in caplog.records]
@@ -741,12 +743,12 @@ def test_random_weights_in_gguf_types(fmt):
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     model = LlamaForCausalLM.from_config(cfg, seed=2, quant=fmt)
-    assert {m.format for m in qz.quantized_modules(model).values()} == {fmt}
-    assert len(qz.quantized_modules(model)) == 4
+    assert {m.format for m in quantized_modules(model).values()} == {fmt}
+    assert len(quantized_modules(model)) == 4
     dense = LlamaForCausalLM.from_config(cfg, seed=2)
     want = dense.state_dict()  # the packed model's embedding, norms and head; its projections dequantized below
     dense.load_state_dict({k: v for k, v in model.state_dict().items() if k in want}, strict=False)
-    for name, q in qz.quantized_modules(model).items():
+    for name, q in quantized_modules(model).items():
         dense.get_submodule(name).weight.data.copy_(qf.dequantize(q.quantized_weight()))
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     assert rel(model(ids).logits, dense(ids).logits) < 1e-5
@@ -830,7 +832,7 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
 
     path, gguf, windows, _ = builtin
     kept = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, quant="gguf")
-    mods = qz.quantized_modules(kept)
+    mods = quantized_modules(kept)
     assert len(mods) == 120 and {m.format for m in mods.values()} == {"gguf_q4_1"}
     ppl, n = perplexity(kept, windows)
     assert n == 1022 and abs(ppl / baseline - 1) < 0.005, (ppl, baseline)
@@ -872,7 +874,7 @@ def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
 
     model = copy.deepcopy(builtin[3])
     qz.quantize_model_(model, fmt)
-    assert len(qz.quantized_modules(model)) == 120
+    assert len(quantized_modules(model)) == 120
     ppl, _ = perplexity(model, builtin[2])
     assert 0 <= ppl / baseline - 1 < BOUNDS[fmt], (fmt, ppl, baseline)
 
@@ -895,7 +897,7 @@ def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     assert sum(len(w) for w in calibration) == 679
     model = copy.deepcopy(dense)
     qz.quantize_model_(model, fmt, calibration)
-    assert len(qz.quantized_modules(model)) == 120
+    assert len(quantized_modules(model)) == 120
     ppl, _ = perplexity(model, windows)
     assert abs(ppl / baseline - 1) < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
 
@@ -974,7 +976,7 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     load = dict(gguf_file=gguf, dtype=torch.bfloat16, device="cuda", flags=flags)
     dense = AutoModelForCausalLM.from_pretrained(path, quant="none", **load)
     model = AutoModelForCausalLM.from_pretrained(path, quant=None if quant == "gguf" else quant, **load)
-    fmts = {m.format for m in qz.quantized_modules(model).values()}
+    fmts = {m.format for m in quantized_modules(model).values()}
     assert fmts == {"gguf_q4_1" if quant == "gguf" else quant}
     chain = model.kernels.choices["linear_q"]
     assert chain.implementation.name == "gemv_q"

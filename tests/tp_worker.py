@@ -33,7 +33,7 @@ from helpers import left_padded, perturb_, positions, random_rows, tiny_config  
 from polyfuse import distributed  # noqa: E402
 from polyfuse.core.errors import CheckpointError  # noqa: E402
 from polyfuse.engine import loading  # noqa: E402
-from polyfuse.engine.quantize import quantized_modules  # noqa: E402
+from polyfuse.engine.qlinear import quantized_modules  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 from polyfuse.models.auto import family_for  # noqa: E402
 

@@ -486,7 +486,7 @@ def run(args) -> dict:
     model, tokenizer = load(args, device, flags)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     if args.print_backends:
-        from polyfuse.engine.quantize import report as quantization_report  # --quant: formats and their kernels
+        from polyfuse.engine.quant_report import report as quantization_report  # --quant: formats and their kernels
 
         print("\n".join(filter(None, [model.kernels.report(), quantization_report(model)])))
     runtime = model.runtime

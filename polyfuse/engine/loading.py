@@ -25,7 +25,7 @@ from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
 from polyfuse.distributed.context import agree, for_build
 from polyfuse.distributed.sharding import TensorParallelError
-from polyfuse.engine import quantize
+from polyfuse.engine import quant_report, quantize
 from polyfuse.engine.config import gguf_architecture, gguf_config_fields, read_config_dict
 from polyfuse.engine.shards import copy_shard, tp_shards
 from polyfuse.engine.staging import DeviceStager, SpanReader, copy_weight
@@ -282,7 +282,7 @@ def from_pretrained(
         digest = hashlib.sha1(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:12]
         agree(tp, error, f"{model_cls.__name__} (config {digest})")
     if qsetup is not None:
-        quantize.warn_unaccelerated(model)
+        quant_report.warn_unaccelerated(model)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0

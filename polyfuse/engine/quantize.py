@@ -1,8 +1,10 @@
 """Quantized weights at load time: which projections hold packed weights, in which format, and how a checkpoint's
 tensors get into them (formats: polyfuse/ops/quant_formats.py; the ops that take them: polyfuse/ops/quant_linear.py).
 
-A quantized projection is a :class:`QLinear`: the packed weight's buffers (no dense weight is ever allocated for it)
-and the bias; the decoder sends it to the ``linear_q`` ops (``models/decoder.py`` ``project``). What is quantized:
+A quantized projection is a ``QLinear`` (engine/qlinear.py): the packed weight's buffers (no dense weight is ever
+allocated for it) and the bias; the decoder sends it to the ``linear_q`` ops (``models/decoder.py`` ``project``). A
+fused projection whose parts are packed in different formats is a ``QLinearStack`` of them. What a checkpoint holds is
+read by engine/quant_checkpoint.py; what a quantized model reports, by engine/quant_report.py. What is quantized:
 every ``nn.Linear`` of the model except the LM head (the output embedding, tied to the input embedding or not),
 which keeps the run's dtype unless :func:`quantize_lm_head_` quantizes it after loading (``--quant_lm_head``; the
 embedding stays as it is, a tied head is untied) or the checkpoint holds it packed (AutoGPTQ's ``lm_head: true``,
@@ -17,7 +19,8 @@ Where the packed weights come from:
   * a GGUF: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors are kept as stored (``gguf_q8_0`` ...) when the run's ``linear_q`` has an
     implementation besides the native reference (a Triton GEMV on NVIDIA), or with ``quant="gguf"``; otherwise they
     are dequantized at load (the same numbers as the native reference, without dequantizing at every call). Other
-    quantized GGUF types are dequantized at load with one warning.
+    quantized GGUF types are dequantized at load with one warning. Fused parts of different kept types (Q4_K_M's q/k
+    Q4_K, v Q6_K) make a ``QLinearStack``.
   * a quantized safetensors checkpoint, read as stored: AutoGPTQ's layout (``quantization_config.quant_method:
     gptq``, 4 bits; what ``save_pretrained`` writes for int4), compressed-tensors fp8 (per-tensor, per-channel,
     1x128 group or 128x128 block scales), and polyfuse's own (``quant_method: polyfuse``, docs/quantization.md).
@@ -31,7 +34,6 @@ import logging
 import math
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +43,8 @@ from polyfuse.core.errors import CheckpointError
 from polyfuse.distributed.sharding import TensorParallelError
 from polyfuse.engine.generation import forget_steppers
 from polyfuse.engine.gptq import GPTQ_FORMATS, HessianFactor, gptq_components, record_hessians
+from polyfuse.engine.qlinear import QLinear, QLinearStack, head_quantized, quantized_modules
+from polyfuse.engine.quant_checkpoint import Checkpoint, read_checkpoint
 from polyfuse.engine.quant_shards import cannot_split, take
 from polyfuse.engine.shards import read_blocks, shape_of, shard_for, tp_shards
 from polyfuse.ops.quant_formats import (
@@ -53,7 +57,6 @@ from polyfuse.ops.quant_formats import (
     cannot_pack,
     components,
     dequantize,
-    describe,
     quantize_components,
 )
 
@@ -67,61 +70,6 @@ DENSE = (torch.float32, torch.bfloat16, torch.float16)
 CT_NAMES = {"weight": "qweight", "weight_scale": "scales"}
 IGNORED = ("input_scale", "weight_zero_point", "input_zero_point")
 GGUF_FLOAT = ("F32", "F16", "BF16", "F64")
-
-
-class QLinear(nn.Module):
-    """A projection holding a packed weight (buffers named as in polyfuse/ops/quant_formats.py) and its bias.
-
-    ``parts`` are the output rows of the checkpoint tensors fused into it (q/k/v, gate/up), in order."""
-
-    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool, dtype: torch.dtype,
-                 group_size: int = INT4_GROUP, parts: tuple = ()):  # fmt: skip
-        super().__init__()
-        self.in_features, self.out_features, self.format = in_features, out_features, fmt
-        self.group_size = {"int4": group_size, "fp8_block": FP8_BLOCK}.get(fmt, 0)
-        self.parts = tuple(parts) or (out_features,)
-        self.act_order = False
-        self.spec = components(fmt, out_features, in_features, self.group_size or INT4_GROUP)
-        for name, c in self.spec.items():
-            self.register_buffer(name, torch.empty(c.shape, dtype=c.dtype))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-
-    def quantized_weight(self) -> QuantizedWeight:
-        b = self._buffers
-        return QuantizedWeight(self.format, (self.out_features, self.in_features), b["qweight"], b.get("scales"),
-                               b.get("qzeros"), b.get("g_idx"), self.group_size, self.act_order)  # fmt: skip
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}" + (
-            f", group_size={self.group_size}" if self.group_size else ""
-        )
-
-
-class QLinearStack(nn.Module):
-    """A fused projection whose checkpoint parts are packed in different formats (a Q4_K_M GGUF's q/k Q4_K with v
-    Q6_K, or a polyfuse save of one): one QLinear per run of consecutive parts in one format (``segments``, each
-    with its ``hf_parts``), projected one after the other and concatenated in row order (models/decoder.py
-    ``project``), then the fused bias. Not an ``nn.Linear``: it has no dense weight."""
-
-    def __init__(self, in_features: int, out_features: int, segments: list, bias: bool, dtype: torch.dtype):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.segments = nn.ModuleList(segments)
-        self.parts = tuple(s for q in segments for s in q.parts)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def quantized_modules(model) -> dict[str, QLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, QLinear)}
 
 
 def _candidates(model) -> list[tuple[str, nn.Linear]]:
@@ -154,77 +102,6 @@ def _name(dtype) -> str:
 
 def _resolve(tensor) -> torch.Tensor:
     return tensor() if callable(tensor) else tensor
-
-
-# ---- what the checkpoint holds ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Checkpoint:
-    kind: str  # dense | gguf | gptq | compressed-tensors | polyfuse
-    fmt: str = ""  # gptq: int4; compressed-tensors: fp8 / fp8_block
-    group_size: int = INT4_GROUP
-    formats: dict = field(default_factory=dict)  # polyfuse: checkpoint module -> format
-    groups: dict = field(default_factory=dict)  # polyfuse: checkpoint module -> int4 group size
-    gguf_types: dict = field(default_factory=dict)  # gguf: HF weight name -> ggml type name
-    keys: set = field(default_factory=set)  # safetensors tensor names
-    read: Optional[Callable[[str], torch.Tensor]] = None  # safetensors: read one tensor by name
-    block_scales: bool = False  # compressed-tensors 128x128 block scales (expanded to 1x128 rows at load)
-
-
-def _compressed_tensors(qc: dict, where: str) -> Checkpoint:
-    groups = qc.get("config_groups") or {}
-    schemes = [g.get("weights") or {} for g in groups.values()]
-    if not schemes or any(s.get("type") != "float" or s.get("num_bits") != 8 for s in schemes):
-        raise CheckpointError(f"{where}: compressed-tensors scheme {schemes} is not supported (polyfuse reads fp8)")
-    strategies = {s.get("strategy") for s in schemes}
-    if len(strategies) != 1:
-        raise CheckpointError(f"{where}: mixed compressed-tensors weight strategies {sorted(strategies)}")
-    strategy = strategies.pop()
-    if strategy in ("tensor", "channel"):
-        return Checkpoint("compressed-tensors", "fp8")
-    if strategy == "group" and all(s.get("group_size") == FP8_BLOCK for s in schemes):
-        return Checkpoint("compressed-tensors", "fp8_block")
-    if strategy == "block" and all(list(s.get("block_structure") or []) == [FP8_BLOCK, FP8_BLOCK] for s in schemes):
-        return Checkpoint("compressed-tensors", "fp8_block", block_scales=True)
-    raise CheckpointError(f"{where}: compressed-tensors fp8 strategy {strategy!r} is not supported")
-
-
-def read_checkpoint(raw: dict, path: Optional[str], gguf_file: Optional[str], where: str) -> Checkpoint:
-    """What a checkpoint folder (config.json's ``quantization_config``, tensor names) or a GGUF file (``gguf_file``:
-    its path) holds."""
-    if gguf_file is not None:
-        from polyfuse.engine.weights import gguf_name_to_hf, open_gguf
-
-        reader = open_gguf(gguf_file)
-        types = {gguf_name_to_hf(t.name): t.tensor_type.name for t in reader.tensors}
-        return Checkpoint("gguf", gguf_types={k: v for k, v in types.items() if k})
-    qc = raw.get("quantization_config")
-    if not qc:
-        return Checkpoint("dense")
-    method = qc.get("quant_method")
-    if method == "gptq":
-        if qc.get("bits") != 4 or qc.get("checkpoint_format", "gptq") != "gptq":
-            raise CheckpointError(
-                f"{where}: GPTQ with bits={qc.get('bits')} checkpoint_format={qc.get('checkpoint_format')} is not "
-                "supported (polyfuse reads AutoGPTQ's 4-bit layout)"
-            )
-        g = int(qc.get("group_size", INT4_GROUP))
-        ck = Checkpoint("gptq", "int4", group_size=g)
-    elif method == "compressed-tensors":
-        ck = _compressed_tensors(qc, where)
-    elif method == "polyfuse":
-        ck = Checkpoint("polyfuse", formats=dict(qc.get("formats") or {}), groups=dict(qc.get("group_sizes") or {}))
-    else:
-        raise CheckpointError(
-            f"{where}: quantization_config.quant_method {method!r} is not supported; polyfuse reads gptq (4-bit), "
-            "compressed-tensors fp8 and its own quantized saves"
-        )
-    from polyfuse.engine.weights import iter_safetensors
-
-    readers = dict(iter_safetensors(path))
-    ck.keys, ck.read = set(readers), (lambda name: readers[name]())
-    return ck
 
 
 def _kernel_takes_quantized(ctx) -> bool:
@@ -774,10 +651,6 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
     return True
 
 
-def head_quantized(model) -> bool:
-    return isinstance(model.get_output_embeddings(), QLinear)
-
-
 # ---- after loading: flags, summary, save layout -------------------------------------------------------------------
 
 
@@ -832,75 +705,3 @@ def quantized_state_items(model):
                     t = t.clone()  # g_idx: one copy per part (a file holds no shared storage)
                 yield f"{hf}.{buf}", t
             start += size
-
-
-def report(model) -> str:
-    """What ``--print_backends`` adds for a quantized model: the formats, what kept its dtype, the kernels."""
-    qs = quantized_modules(model)
-    if not qs:
-        return ""
-    counts: dict = {}
-    for q in qs.values():
-        key = describe(q.format, q.group_size) + (" (act-order)" if q.act_order else "")
-        counts[key] = counts.get(key, 0) + 1
-    dense, dtype = len(_candidates(model)), _name(model.dtype)
-    head = "" if head_quantized(model) else " and the LM head"
-    stacks = [m for m in model.modules() if isinstance(m, QLinearStack)]
-    projections = len(qs) - sum(len(s.segments) - 1 for s in stacks)  # a stack is one projection of its segments
-    lines = [f"quantized weights: {projections} projection(s); {dense} other projection(s){head} in {dtype}"]
-    lines += [f"  {fmt}: {n}" for fmt, n in counts.items()]  # per packed weight: a stack's segments one by one
-    if stacks:
-        lines.append(f"  {len(stacks)} fused projection(s) with parts in different formats: "
-                     f"{sum(len(s.segments) for s in stacks)} packed weights, one projection each")  # fmt: skip
-    kernels = getattr(model, "kernels", None)
-    if kernels is not None:
-        from polyfuse.core.registry import NATIVE, ops
-
-        for op in ("linear_q", "swiglu_linear_q"):
-            c, spec = kernels.choices[op], ops()[op]
-            last = "composite " + " + ".join(spec.composed_of) if spec.compose else "native (dequantize + F.linear)"
-            chain = [f"{i.backend}:{i.name}" for i in (c.implementation, *c.then) if i.name != NATIVE] + [last]
-            lines.append(f"  {op}: {' -> '.join(chain)}")
-    return "\n".join(lines)
-
-
-def warn_unaccelerated(model) -> None:
-    """fp8 weights where no fp8 matmul runs: say once what runs instead."""
-    fmts = {q.format for q in quantized_modules(model).values()}
-    if not fmts & {"fp8", "fp8_block"}:
-        return
-    platform = model.kernels.context.platform
-    cap = tuple(platform.capability or ())
-    if platform.name == "cuda" and cap >= (8, 9) and model.dtype == torch.bfloat16 and "fp8" in fmts:
-        return
-    if model.kernels.choices["linear_q"].implementation.name == "fp8_gemm":  # Habana's fp8 GEMM (backends/hpu)
-        if model.dtype not in (torch.bfloat16, torch.float32):
-            where = f"hpu, a {_name(model.dtype)} run: Habana's fp8 GEMM takes bfloat16 or float32 activations"
-        elif "fp8_block" in fmts:
-            where = "hpu: fp8_block weights (Habana's fp8 GEMM here takes per-channel fp8)"
-        else:
-            return
-        logger.warning("warning: fp8 weights on %s; they stay fp8 and every call dequantizes them", where)
-        return
-    if platform.name != "cuda":
-        where = f"{platform.name}: no fp8 matmul here"
-    elif cap < (8, 9):
-        where = f"{platform.device_name} (compute capability {'.'.join(map(str, cap))}): no fp8 tensor cores"
-    elif model.dtype != torch.bfloat16:
-        where = f"{_name(model.dtype)} run: the fp8 matmul (row-wise torch._scaled_mm) needs bfloat16"
-    elif any(i.name == "fp8_block_mm" for i in model.kernels.choices["linear_q"].then):
-        return  # Hopper: fp8_block's prefill runs the block-scaled fp8 GEMM (backends/triton/block_scaled_mm.py)
-    else:
-        where = "fp8_block weights: no block-scaled fp8 matmul here (it needs Hopper, torch >= 2.9 and CUDA >= 12.9)"
-    c = model.kernels.choices["linear_q"]
-    impl = c.implementation
-    gemm = next((i for i in c.then if i.name == "gemm_q"), None)  # per-channel fp8 (not fp8_block), 2..64 rows
-    batch = f", 2..64 rows {gemm.backend}:{gemm.name}" if gemm is not None and "fp8" in fmts else ""
-    deq = next((i for i in c.then if i.name == "dequant_mm"), None)  # one dequantize kernel, then F.linear
-    rest = f"other calls {deq.backend}:{deq.name}" if deq is not None else "other calls dequantize them"
-    runs = (
-        "every call dequantizes them"
-        if impl.name == "native"
-        else f"one-row decode runs {impl.backend}:{impl.name}{batch}, {rest}"
-    )
-    logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)

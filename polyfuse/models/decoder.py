@@ -22,7 +22,7 @@ from polyfuse.distributed.context import SINGLE, building, building_context
 from polyfuse.distributed.sharding import Shard, TensorParallelError, check_columns, head_shard, split
 from polyfuse.engine import loading, saving
 from polyfuse.engine.config import config_from_dict, head_dim
-from polyfuse.engine.quantize import QLinear, QLinearStack
+from polyfuse.engine.qlinear import QLinear, QLinearStack
 from polyfuse.engine.rope import RotaryEmbedding
 from polyfuse.models.peft_lora import fused_adapters, plain_lora
 from polyfuse.models.projection_slice import ProjectionSlice, fused_slices_intact
@@ -79,7 +79,7 @@ class LMHead(nn.Linear):
 
 def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
-    projection is dispatched. A quantized layer (engine/quantize.py ``QLinear``) goes to the ``linear_q`` ops with
+    projection is dispatched. A quantized layer (engine/qlinear.py ``QLinear``) goes to the ``linear_q`` ops with
     its packed weight (a ``QLinearStack``: each segment's rows, concatenated), a plain ``nn.Linear`` (or a
     ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its weight, PEFT's plain LoRA over a plain linear (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a
     PEFT layer in another state, a Linear subclass with a forward of its own) is called, so what it adds to the
