@@ -125,9 +125,8 @@ class QuantSetup:
         self.request, self.ckpt, self.keep_gguf = request, ckpt, keep_gguf
         self.device, self.dtype = torch.device(device), dtype
         self.qmodules: dict[str, QLinear] = {}
-        self.staged: dict[
-            str, tuple
-        ] = {}  # dense module -> ({part: (format, group size)}, parts) of its packed tensors
+        # dense module -> ({part: (format, group size)}, parts) of its packed tensors
+        self.staged: dict[str, tuple] = {}
         self.stacks: dict[str, list] = {}  # QLinearStack -> [(first row, row after, segment module name)]
         self.keep: set = set()  # GGUF weight names read as stored
         self.dense_why: dict[str, list] = {}
@@ -161,11 +160,7 @@ class QuantSetup:
             if other:
                 return None, 0, f"GGUF type {'/'.join(other)} has no quantized kernel: dequantized at load"
             if len(types) > 1 and self.keep_gguf and not types & set(GGUF_FLOAT):
-                return (
-                    None,
-                    0,
-                    f"fused parts of GGUF types {', '.join(sorted(types))} not all packable here: dequantized",
-                )
+                return None, 0, f"fused parts of GGUF types {', '.join(sorted(types))} not all packable: dequantized"
             return None, 0, ""
         packed = [any(f"{p}.{c}" in ck.keys for c in ("qweight", "weight_scale")) for p, _ in parts]
         if not any(packed):
@@ -174,13 +169,12 @@ class QuantSetup:
             raise CheckpointError(f"{name}: some of its fused parts are quantized in the checkpoint, some are not")
         if ck.kind == "polyfuse":
             fmts = {ck.formats.get(p) for p, _ in parts}
-            if None in fmts:
+            # parts in several formats reach here only to be dequantized, or where _segments could not pack one
+            if None in fmts or (len(fmts) != 1 and self.request != "none"):
                 raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
             if self.request == "none":  # each part dequantized in its own format
                 self.staged[name] = ({p: (ck.formats[p], int(ck.groups.get(p, INT4_GROUP))) for p, _ in parts}, parts)
                 return None, 0, ""
-            if len(fmts) != 1:  # only where a part cannot be packed in its format (_segments declined)
-                raise CheckpointError(f"{name}: quantization_config.formats gives its parts {sorted(map(str, fmts))}")
             fmt, group = fmts.pop(), int(ck.groups.get(parts[0][0], INT4_GROUP))
         else:  # group_size -1: one group over all of K (of the whole projection, under tensor parallelism)
             whole_k = max(
@@ -203,7 +197,7 @@ class QuantSetup:
         GGUF's q/k Q4_K with v Q6_K; a polyfuse save of one), one run of consecutive parts per format; None where its
         parts share one format, or where one of them is not kept (``_module_format`` decides those)."""
         ck = self.ckpt
-        if len(parts) < 2 or self.request in LOAD_TIME_FORMATS or self.random:
+        if len(parts) < 2 or self.request in LOAD_TIME_FORMATS:
             return None
         if ck.kind == "gguf" and self.keep_gguf:
             kinds = [(GGUF_TYPES.get(ck.gguf_types.get(p + ".weight")), 0) for p, _ in parts]

@@ -81,13 +81,14 @@ def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
     projection is dispatched. A quantized layer (engine/qlinear.py ``QLinear``) goes to the ``linear_q`` ops with
     its packed weight (a ``QLinearStack``: each segment's rows, concatenated), a plain ``nn.Linear`` (or a
-    ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its weight, PEFT's plain LoRA over a plain linear (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a
-    PEFT layer in another state, a Linear subclass with a forward of its own) is called, so what it adds to the
-    projection is kept; the down projection's SwiGLU is computed first."""
+    ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its weight, PEFT's plain LoRA over a plain linear
+    (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a PEFT layer in another state, a Linear
+    subclass with a forward of its own) is called, so what it adds to the projection is kept; the down projection's
+    SwiGLU is computed first."""
     if isinstance(layer, QLinear):
         qw = layer.quantized_weight()
         return f.ops.linear_q(x, qw, layer.bias) if up is None else f.ops.swiglu_linear_q(x, up, qw, layer.bias)
-    if isinstance(layer, QLinearStack):  # parts packed in different formats: one projection per format, in row order
+    if isinstance(layer, QLinearStack):  # parts packed in different formats: each segment, in row order
         y = torch.cat([project(f, q, x, up) for q in layer.segments], dim=-1)
         return y if layer.bias is None else y + layer.bias
     if not (isinstance(layer, nn.Linear) and type(layer).forward is nn.Linear.forward):

@@ -385,34 +385,36 @@ def _quantize_32(fmt: str, w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     v = w.float().reshape(n, k // GGUF_BLOCK, GGUF_BLOCK)
 
-    def inverse(d):  # 1 / d, 0 where d is 0 or 1 / d overflows
+    def inverse(d):  # (1 / d, 0 where d is 0 or 1 / d overflows; where it overflows)
         one = torch.ones_like(d)
         inv = one / torch.where(d == 0, one, d)
-        return torch.where((d == 0) | inv.isinf(), torch.zeros_like(d), inv)
-
-    def zero_overflow(q, d):  # Q4_0's 8.5 offset would give 8 there; Q8_0 / Q4_1 give 0 already
-        return torch.where((d != 0) & (inverse(d) == 0), torch.zeros_like(q), q)
+        over = inv.isinf()
+        return torch.where((d == 0) | over, torch.zeros_like(d), inv), over
 
     def divide(x, by):
         return x / torch.full_like(x, by)
 
     if fmt == "gguf_q8_0":
         d = divide(v.abs().amax(-1, keepdim=True), 127.0)
-        a = (v * inverse(d)).abs()  # rounded half away from zero, as ggml's roundf
-        q = zero_overflow(torch.sign(v * inverse(d)) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a)))), d)
+        inv, over = inverse(d)
+        x = v * inv
+        a = x.abs()  # rounded half away from zero, as ggml's roundf
+        q = torch.where(over, 0.0, torch.sign(x) * (torch.floor(a) + torch.floor(2 * (a - torch.floor(a)))))
         parts = [_fp16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)]
     else:
         if fmt == "gguf_q4_0":  # the value of largest magnitude (the first of equals; +0 in a zero block) is -8 d
             big = torch.gather(v, -1, v.abs().argmax(-1, keepdim=True))
             d = divide(torch.where(big == 0, torch.zeros_like(big), big), -8.0)
-            q = torch.trunc(v * inverse(d) + 8.5)
+            inv, over = inverse(d)
+            q = torch.trunc(v * inv + 8.5)
             head = [_fp16_bytes(d[..., 0])]
         else:
             lo = torch.gather(v, -1, v.argmin(-1, keepdim=True))
             d = divide(torch.gather(v, -1, v.argmax(-1, keepdim=True)) - lo, 15.0)
-            q = torch.trunc((v - lo) * inverse(d) + 0.5)
+            inv, over = inverse(d)
+            q = torch.trunc((v - lo) * inv + 0.5)
             head = [_fp16_bytes(d[..., 0]), _fp16_bytes(lo[..., 0])]
-        q = zero_overflow(q, d).clamp(0, 15).to(torch.uint8)
+        q = torch.where(over, 0.0, q).clamp(0, 15).to(torch.uint8)  # overflow: Q4_0's 8.5 would give 8
         parts = [*head, q[..., :16] | (q[..., 16:] << 4)]
     return torch.cat(parts, dim=-1).reshape(n, -1).contiguous()
 
