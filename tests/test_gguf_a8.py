@@ -21,7 +21,7 @@ from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
 pytest.importorskip("triton")
 
 from polyfuse.backends.triton import gemv_gguf_a8 as ga8  # noqa: E402
-from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
+from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row, quantize_rows  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,9 @@ def test_gemv_against_the_reference(device, fmt):
     second block of a Q8_0 / Q4_0 pair are seen: a wrong one moves it far past."""
     gen = torch.Generator().manual_seed(2)
     if fmt in qf.K_QUANTS:
-        cases = ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2)))
+        # Q6_K reads an even number of super-blocks per row by pairs of 32-bit words: (7, 1536) one a step, 2 splits
+        # of 3, the second starting on a pair's second super-block
+        cases = ((40, 768, None), (9, 1280, (4, 512, 1, 2)), (64, 512, (8, 256, 2, 2)), (7, 1536, (2, 256, 1, 1)))
     else:
         # one block a step: 2 splits of 5 blocks, the second starting on a pair's second block
         cases = ((40, 768, None), (9, 1344, (4, 128, 1, 2)), (33, 576, (8, 64, 2, 2)), (7, 320, (2, 32, 1, 1)))
@@ -114,6 +116,69 @@ def test_gemv_against_the_reference(device, fmt):
     raw.view(n, -1)[:, torch.arange(at, raw.numel() // n, 2 * nbytes if at >= nbytes else nbytes)] ^= 0x21
     bad = dataclasses.replace(qw, qweight=raw.view(n, -1))
     assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", GGUF)
+def test_rows_against_the_reference(device, fmt):
+    """Several activation rows (batch decode): rows of a wider tensor (a row stride past K), SwiGLU's rows, 2 / 5 / 8
+    rows in one launch and 11 in two (8 + 3); each row's quantized bytes equal the one-row kernel's, and each output
+    row is within 1e-5 of the largest output of the float64 reference of that row. A launch that drops its last row
+    or mixes rows up fails."""
+    gen = torch.Generator().manual_seed(3)
+    k = 768 if fmt in qf.K_QUANTS else 320
+    qw = _on(random_gguf(fmt, 37, k, seed=4), device)
+    bias = torch.randn(37, generator=gen).to(device)
+    wide = (torch.randn(11, k + 40, generator=gen) + 0.2).to(device)
+    gate, up = ((torch.randn(5, k, generator=gen) * 2).to(device) for _ in range(2))
+    for x, u in ((wide[:2, :k], None), (wide[:5, 3 : k + 3], None), (wide[:8, :k], None), (wide[:, :k], None),
+                 (gate, up)):  # fmt: skip
+        xq = quantize_rows(x, u, natural=True)
+        with torch.inference_mode():
+            got = ga8.gemv_gguf_a8(xq, qw, torch.float32, bias)
+        assert got.shape == (x.shape[0], 37)
+        for i in range(x.shape[0]):
+            one = quantize_row(x[i : i + 1].contiguous(), None if u is None else u[i : i + 1], natural=True)
+            assert all(torch.equal(a[i], b) for a, b in zip(xq, one)), (fmt, i)
+            row = x[i] if u is None else (torch.nn.functional.silu(gate[i]) * up[i])
+            want = reference(row if u is None else row.to(x.dtype), qw, bias)
+            err = (got[i].double() - want).abs().max().item()
+            assert err <= 1e-5 * want.abs().max().item(), (fmt, x.shape[0], i, err)
+
+
+def test_rows_dispatch(monkeypatch):
+    """gemm_q (quant_gemm.py) runs 2..MAX_ROWS rows of a GGUF weight kept as stored on int8 activations (SwiGLU's
+    too, in the quantize kernel), with the multi-row GEMV's numbers; Q4_1 / Q4_K rows past them (or with the switch
+    off) go to the dequantizing GEMM (gemm_gguf.py) up to 32 rows, with its numbers; one row, more rows, and other
+    types' rows the A8 GEMV does not take (Q8_0 of an odd number of blocks) are declined (to dequantize + cuBLAS)."""
+    from polyfuse.backends.triton import quant_gemm
+    from polyfuse.backends.triton.gemm_gguf import gemm_gguf
+    from polyfuse.backends.triton.swiglu import swiglu_forward
+
+    qw = qf.quantize("gguf_q4_1", torch.randn(48, 512) * 0.05)
+    x = torch.randn(2, 3, 512)
+    assert quant_gemm.accepts_linear_q(x, qw) is None
+    assert quant_gemm.accepts_linear_q(torch.randn(1, 1, 512), qw) is not None
+    assert quant_gemm.accepts_linear_q(torch.randn(quant_gemm.GGUF_GEMM_MAX_ROWS + 1, 512), qw) is not None
+    assert quant_gemm.accepts_swiglu_linear_q(x, x, qw) is None
+    q8 = qf.quantize("gguf_q8_0", torch.randn(48, 480))
+    assert quant_gemm.accepts_linear_q(torch.randn(2, 480), q8) is not None
+    q6 = qf.quantize("gguf_q6_k", torch.randn(48, 512))
+    assert quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q6) is not None
+    many = torch.randn(ga8.MAX_ROWS + 1, 512)
+    assert not ga8.accepts_rows(many, qw) and quant_gemm.accepts_linear_q(many, qw) is None
+    with torch.inference_mode():
+        assert torch.equal(quant_gemm.linear_q(many, qw), gemm_gguf(many, None, qw))
+    with torch.inference_mode():
+        got = quant_gemm.linear_q(x, qw)
+        assert got.shape == (2, 3, 48)
+        assert torch.equal(got.view(6, 48), ga8.gemv_gguf_a8(quantize_rows(x.view(6, 512), natural=True), qw, x.dtype))
+        got = quant_gemm.swiglu_linear_q(x, x * 0.5, qw)
+        want = ga8.gemv_gguf_a8(quantize_rows(swiglu_forward(x, x * 0.5).view(6, 512), natural=True), qw, x.dtype)
+        assert torch.equal(got.view(6, 48), want)
+    monkeypatch.setattr(ga8, "ENABLED", False)
+    with torch.inference_mode():
+        assert torch.equal(quant_gemm.linear_q(x, qw).view(6, 48), gemm_gguf(x.view(6, 512), None, qw))
 
 
 def test_the_switch_is_read_from_the_environment():
@@ -212,4 +277,58 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
     assert sorted(set(calls)) == ["gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q8_0"] and len(calls) == 3 * 2 * 4
     assert torch.equal(runs["a8"], runs["emulated"])
     for got, want in list(zip(steps["a8"], steps["emulated"]))[1:]:
+        assert (got - want).abs().max() <= 2e-5 * want.abs().max()
+
+
+def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
+    """Batch 2 greedy decode of a tiny GGUF (Q4_K, Q6_K, Q4_0, Q8_0 projections) through gemm_q's multi-row GEMVs
+    (the 10-row prompt in launches of 8 and 2 rows, every 2-row step) against the native model fed the same int8
+    activations: the same tokens, the logits within float32 rounding."""
+    from polyfuse.backends.triton import _qgemv
+    from polyfuse.bench.act_int8 import emulate_int8_activations_
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    for fmt in ("gguf_q4_k_a8", "gguf_q6_k_a8", "gguf_q4_0_a8", "gguf_q8_0_a8"):  # few programs: the interpreter
+        for m in (2, 8):
+            monkeypatch.setitem(_qgemv.ROW_TILES, (fmt, m), (16, 256, 1, 1))
+    monkeypatch.setattr(ga8, "MAX_ROWS", 16)  # the 10-row prompt too, as two launches (8 + 2 rows)
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q6_K", "gate_proj": "Q4_0",
+             "up_proj": "Q4_0", "down_proj": "Q8_0"}  # fmt: skip
+    write_tiny_gguf(tmp_path / "tiny.gguf", LlamaForCausalLM.from_config(cfg, seed=6), types)
+    ids = torch.tensor([[5, 17, 9, 42, 7], [3, 8, 250, 11, 60]])
+    calls = []
+    real = ga8.gemv_gguf_a8
+    monkeypatch.setattr(ga8, "gemv_gguf_a8", lambda *a, **k: calls.append(a[0][0].shape[0]) or real(*a, **k))
+    runs, steps = {}, {}
+    for name in ("a8", "emulated"):
+        model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+        logits = steps[name] = []
+        if name == "a8":
+            k = model.kernels
+            k.linear_q = registry.bound("linear_q", "gemm_q")
+            k.swiglu_linear_q = registry.bound("swiglu_linear_q", "gemm_q")
+            norm, add_norm, lin = k.rms_norm, k.add_rms_norm, k.linear_q
+
+            def norm_linear(x, residual, weight, eps, qweight, bias=None, norm=norm, add_norm=add_norm, lin=lin):
+                y, r = (norm(x, weight, eps), x) if residual is None else add_norm(x, residual, weight, eps)
+                return lin(y, qweight, bias), r
+
+            k.add_rms_norm_linear_q = norm_linear
+        else:
+            emulate_int8_activations_(model)
+        forward = model.forward
+
+        def record(*a, _forward=forward, _logits=logits, **k):
+            out = _forward(*a, **k)
+            _logits.append(out.logits[:, -1].clone())
+            return out
+
+        model.forward = record
+        runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
+    # (the prompt's 10 rows + 3 steps of 2) x 2 layers x (q/k/v, o, gate/up, down)
+    assert sorted(calls) == sorted([10] * 8 + [2] * 24), calls
+    assert torch.equal(runs["a8"], runs["emulated"])
+    for got, want in zip(steps["a8"], steps["emulated"]):
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()

@@ -145,14 +145,15 @@ A8_REF = {"linear_q": (_a8_linear_q, 0, 1), "swiglu_linear_q": (_a8_swiglu_linea
 
 
 def _a8_case(op, impl_name, make) -> bool:
-    """Whether gemv_q's call runs the GGUF GEMV on int8 activations."""
-    if impl_name != "gemv_q" or op not in A8_REF:
+    """Whether gemv_q's call (one row) or gemm_q's (2..MAX_ROWS rows) runs a GGUF GEMV on int8 activations."""
+    if impl_name not in ("gemv_q", "gemm_q") or op not in A8_REF:
         return False
     from polyfuse.backends.triton import gemv_gguf_a8
 
     args, _, _ = make()
     _, xi, wi = A8_REF[op]
-    return gemv_gguf_a8.accepts(args[xi], args[wi], args[1] if op == "swiglu_linear_q" else None)
+    takes = gemv_gguf_a8.accepts if impl_name == "gemv_q" else gemv_gguf_a8.accepts_rows
+    return takes(args[xi], args[wi], args[1] if op == "swiglu_linear_q" else None)
 
 
 REF_FN = {

@@ -70,7 +70,7 @@ consts = dict(SQ_K=28672, EVEN=True, HAS_BIAS=False, BLOCK_N=256, BLOCK_K8=8, ST
 sig.update({k: "constexpr" for k in consts})
 ptx = compile_(gemv_gptq_a8._gemv_gptq_a8_kernel, sig, consts)
 assert ptx.count("dp4a.u32.s32") >= 16, "W4A8: the integer dot products are missing"
-sig = dict(X="*bf16", U="*bf16", XW="*i32", DX="*fp32", RS="*fp32", K="i32")
+sig = dict(X="*bf16", U="*bf16", XW="*i32", DX="*fp32", RS="*fp32", K="i32", sx="i32", su="i32")
 for natural in (False, True):
     consts = dict(SWIGLU=True, BLOCK=1024, PDL=False, ASM=True, NATURAL=natural)
     sig.update({k: "constexpr" for k in consts})
@@ -80,27 +80,35 @@ for natural in (False, True):
     consts = dict(HAS_RES=True, BLOCK=4096, PDL=False, ASM=True, NATURAL=natural)
     sig.update({k: "constexpr" for k in consts})
     assert "mul.rn.f32" in compile_(act_int8._norm_quantize_kernel, sig, consts)
+# the GGUF A8 GEMVs at one activation row (BLOCK_N weight rows a program) and at 8 (one weight row a program)
+ROW_FORMS = ((2, 1), (1, 8))
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
-           NB="i32", row_words="i32", nb_per_split="i32", SPLIT="i32")
+           NB="i32", row_words="i32", nb_per_split="i32", ROWS="i32", SPLIT="i32")
 for q5 in (False, True):
-    consts = dict(Q5=q5, WORDS=44 if q5 else 36, HAS_BIAS=False, BLOCK_N=2, BLOCK_B=8, PDL=False, ASM=True)
-    sig.update({k: "constexpr" for k in consts})
-    ptx = compile_(gemv_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
-    assert ptx.count("dp4a.u32.s32") >= 8, "K-quant A8: the integer dot products are missing"  # 2 x 8 x 32 x 2 / 128
-sig = dict(XW="*i32", DX="*fp32", W8="*i8", W16="*i16", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
-           NB="i32", row_halves="i32", nb_per_split="i32", SPLIT="i32")
-consts = dict(HAS_BIAS=False, BLOCK_N=2, BLOCK_B=4, PDL=False, ASM=True)
-sig.update({k: "constexpr" for k in consts})
-ptx = compile_(gemv_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
-assert ptx.count("dp4a.u32.s32") >= 4, "Q6_K A8: the integer dot products are missing"  # 2 x 32 x 8 / 128
+    for block_n, m in ROW_FORMS:
+        consts = dict(Q5=q5, WORDS=44 if q5 else 36, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_B=8, M=m, PDL=False,
+                      ASM=True)
+        sig.update({k: "constexpr" for k in consts})
+        ptx = compile_(gemv_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
+        assert ptx.count("dp4a.u32.s32") >= 8, "K-quant A8: the integer dot products are missing"  # 2 x 8 x 32 x 2 / 128
+sig = dict(XW="*i32", DX="*fp32", W8="*i8", W16="*i16", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32",
+           N="i32", NB="i32", row_halves="i32", nb_per_split="i32", ROWS="i32", SPLIT="i32")
+for paired in (False, True):
+    for block_n, m in ROW_FORMS:
+        consts = dict(PAIRED=paired, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_B=4, M=m, PDL=False, ASM=True)
+        sig.update({k: "constexpr" for k in consts})
+        ptx = compile_(gemv_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
+        assert ptx.count("dp4a.u32.s32") >= 4, "Q6_K A8: the integer dot products are missing"  # 2 x 32 x 8 / 128
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
-           NB="i32", row_words="i32", nb_per_split="i32", SPLIT="i32")
+           NB="i32", row_words="i32", nb_per_split="i32", ROWS="i32", SPLIT="i32")
 for fmt, (code, words, pairs) in gemv_gguf_a8.LAYOUT.items():
-    consts = dict(FMT=code, Q=words, PAIRED=pairs, HAS_BIAS=False, BLOCK_N=8, BLOCK_B=32, PDL=False, ASM=True)
-    sig.update({k: "constexpr" for k in consts})
-    ptx = compile_(gemv_gguf_a8._gemv_gguf_a8_kernel, sig, consts)
-    op = "dp4a.s32.s32" if code == 0 else "dp4a.u32.s32"
-    assert ptx.count(op) >= 8, f"{fmt} A8: the integer dot products are missing"  # 8 x 32 x 8 / 128 threads
+    for block_n, m in ((8, 1), (1, 8)):
+        consts = dict(FMT=code, Q=words, PAIRED=pairs, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_B=32, M=m, PDL=False,
+                      ASM=True)
+        sig.update({k: "constexpr" for k in consts})
+        ptx = compile_(gemv_gguf_a8._gemv_gguf_a8_kernel, sig, consts)
+        op = "dp4a.s32.s32" if code == 0 else "dp4a.u32.s32"
+        assert ptx.count(op) >= 8, f"{fmt} A8: the integer dot products are missing"  # 8 x 32 x 8 / 128 threads
 print("ok")
 """
 

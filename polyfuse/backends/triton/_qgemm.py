@@ -147,6 +147,9 @@ def store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m,
 # projections at 16 rows on one H200 (benchmark_linear.py --rows 16 --quant int4,int8,fp8 --qsweep, run 21: the
 # same tile won for all three formats); POLYFUSE_QGEMM_TILES='{"int4": [64, 128, 4, 3]}' replaces entries.
 TILES = {"int4": (32, 128, 4, 4), "int8": (32, 128, 4, 4), "fp8": (32, 128, 4, 4)}
+# gemm_gguf.py (GGUF kept as stored, past the int8-activation GEMV's rows): at 16 rows (session 21, 12 tiles on the 8B
+# projections) 32 x 128 with 4 warps and 3 stages was the best or within 1% for Q4_1 and Q4_K
+TILES.update({f"gguf_{t}": (32, 128, 4, 3) for t in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")})
 _env = os.environ.get("POLYFUSE_QGEMM_TILES")
 if _env:
     TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})

@@ -81,6 +81,28 @@ def store_out(Y, B, WS, CNT, n, n_mask, N, y, HAS_BIAS: tl.constexpr, SPLIT, UNR
             tl.atomic_xchg(CNT + tl.program_id(0), 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def store_rows(Y, B, n, n_mask, N, y, ROWS, M: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A multi-row GEMV program's results y [M, BLOCK_N] for columns n of rows 0 .. ROWS - 1, plus the bias, rounded
+    once into Y [ROWS, N] (unit column stride, row stride N). No split of K."""
+    m = tl.arange(0, M).to(tl.int64)[:, None]
+    mask = (m < ROWS) & n_mask[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + m * N + n[None, :], cast_rne(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT):
+    """The GGUF A8 GEMVs' accumulator [M, BLOCK_N, blocks, 1] summed and stored: one activation row through
+    store_out (split K too), several through store_rows."""
+    out = tl.sum(tl.sum(acc, axis=3), axis=2)
+    if M == 1:
+        store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(out, axis=0), HAS_BIAS, SPLIT)
+    else:
+        store_rows(Y, B, n, n_mask, N, out, ROWS, M, HAS_BIAS)
+
+
 def tail_unroll(block_n: int, num_warps: int, regs: int = 64, most: int = 8) -> int:
     """Partials the split's last program loads at once: as many as ``regs`` registers per thread hold (its columns
     per thread times the partials), at most ``most`` and at least 4 (what LLVM made of the plain loop). The int4
@@ -150,7 +172,8 @@ TILES = {
     # is not split)
     "gguf_q4_k_a8": (1, 2048, 1, 3),
     "gguf_q5_k_a8": (1, 2048, 1, 3),
-    "gguf_q6_k_a8": (1, 2048, 2, 3),  # 3-D tiles (session 19): 8B per layer 109.8 -> 105.6 us
+    # 3-D tiles (session 19): 8B per layer 109.8 -> 105.6 us; read by 32-bit word pairs (session 21): 106.5 -> 99.6
+    "gguf_q6_k_a8": (1, 2048, 2, 3),
     "gguf_q8_0_a8": (1, 2048, 1, 3),
     "gguf_q4_0_a8": (1, 2048, 1, 3),
     "gguf_q4_1_a8": (1, 2048, 2, 3),
@@ -174,6 +197,7 @@ TILES = {
 # 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
 # same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
 SHAPE_TILES = {
+    ("gguf_q6_k_a8", 28672, 4096): (1, 1024, 2, 3),  # session 21, word pairs: 49.6 -> 48.0 us
     ("gguf_q4_0_a8", 6144, 4096): (1, 2048, 2, 3),  # session 19: 2-3% less than the format's tile
     ("gguf_q4_0_a8", 4096, 4096): (1, 2048, 2, 3),
     ("gguf_q4_0_a8", 4096, 14336): (1, 1024, 1, 3),
@@ -280,6 +304,52 @@ def tiles_for(fmt: str, n: int, k: int) -> tuple:
     if fmt in _ENV_FORMATS:
         return TILES[fmt]
     return SHAPE_TILES.get((fmt, n, k), TILES[fmt])
+
+
+# The multi-row GGUF GEMVs (gemv_gguf_a8.py, gemv_kquant_a8.py): activation rows per launch (llama.cpp's
+# mul_mat_vec_q takes up to 8 columns too), and their tiles per (format, rows per launch padded to a power of 2),
+# else the format's one-row tile. Session 21 (one H200): 12 tiles (2-8 weight rows a program, 512 / 1024 weights a
+# step, 2 / 4 warps) swept at 2, 4, 8 and 16 rows on the four 8B projections; the least summed over them. 16 rows in
+# one launch tied dequantize + cuBLAS for Q8_0 / Q4_0 / Q4_1 and lost for the K-quants, so gemv_gguf_a8.MAX_ROWS is 8.
+ROWS_PER_LAUNCH = 8
+ROW_TILES: dict = {
+    ("gguf_q4_0_a8", 2): (2, 1024, 2, 3),
+    ("gguf_q4_0_a8", 4): (4, 1024, 4, 3),
+    ("gguf_q4_0_a8", 8): (8, 512, 4, 3),
+    ("gguf_q4_1_a8", 2): (4, 1024, 2, 3),
+    ("gguf_q4_1_a8", 4): (4, 512, 4, 3),
+    ("gguf_q4_1_a8", 8): (8, 1024, 2, 3),
+    ("gguf_q8_0_a8", 2): (2, 1024, 2, 3),
+    ("gguf_q8_0_a8", 4): (8, 512, 4, 3),
+    ("gguf_q8_0_a8", 8): (8, 512, 4, 3),
+    ("gguf_q4_k_a8", 2): (4, 1024, 2, 3),
+    ("gguf_q4_k_a8", 4): (8, 1024, 4, 3),
+    ("gguf_q4_k_a8", 8): (8, 1024, 2, 3),
+    ("gguf_q5_k_a8", 2): (2, 1024, 2, 3),
+    ("gguf_q5_k_a8", 4): (8, 1024, 2, 3),
+    ("gguf_q5_k_a8", 8): (8, 1024, 4, 3),
+    ("gguf_q6_k_a8", 2): (4, 1024, 2, 3),
+    ("gguf_q6_k_a8", 4): (4, 512, 2, 3),
+    ("gguf_q6_k_a8", 8): (8, 512, 4, 3),
+}
+
+
+def row_chunks(rows: int, most: int = 0) -> list:
+    """(first row, rows, rows padded to a power of 2) of each launch of a multi-row GEMV, ``most`` (else
+    ROWS_PER_LAUNCH) rows a launch."""
+    most = most or ROWS_PER_LAUNCH
+    return [(c, min(most, rows - c), triton.next_power_of_2(min(most, rows - c))) for c in range(0, rows, most)]
+
+
+def row_tiles(fmt: str, n: int, k: int, rows: int) -> tuple:
+    """A GGUF int8-activation GEMV's tile for ``rows`` activation rows: tiles_for's at one row; at more, ROW_TILES's
+    entry for the launches' padded rows, else the one-row tile."""
+    if rows == 1:
+        return tiles_for(fmt, n, k)
+    m_pad = row_chunks(rows)[0][2]
+    if fmt not in _ENV_FORMATS and (fmt, m_pad) in ROW_TILES:
+        return ROW_TILES[(fmt, m_pad)]
+    return tiles_for(fmt, n, k)
 
 
 def programs_per_sm(fmt: str, n: int, k: int) -> int:

@@ -68,25 +68,21 @@ def store_int8_blocks(v, b0, NB, XW, DX, RS, BLOCK: tl.constexpr, ASM: tl.conste
 
 @triton.jit
 def _quantize_kernel(
-    X,
-    U,
-    XW,
-    DX,
-    RS,
-    K,
-    SWIGLU: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-    ASM: tl.constexpr,
-    NATURAL: tl.constexpr,
-):
+    X, U, XW, DX, RS, K, sx, su,
+    SWIGLU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, NATURAL: tl.constexpr,
+):  # fmt: skip
+    """Grid (chunks of BLOCK values, rows): row m's values at X + m sx (U + m su), its words at XW + m K / 4, its
+    blocks' scales and sums at DX / RS + m K / 32."""
     launch_then_wait(PDL)
+    row = tl.program_id(1).to(tl.int64)
     k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(X + k, mask=k < K, other=0.0).to(tl.float32)
+    v = tl.load(X + row * sx + k, mask=k < K, other=0.0).to(tl.float32)
     if SWIGLU:  # silu(gate) * up rounded once to the row's dtype, as swiglu.py stores it
-        u = tl.load(U + k, mask=k < K, other=0.0).to(tl.float32)
+        u = tl.load(U + row * su + k, mask=k < K, other=0.0).to(tl.float32)
         v = cast_rne(v * tl.sigmoid(v) * u, X.dtype.element_ty).to(tl.float32)
-    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 32), K // 32, XW, DX, RS, BLOCK, ASM, NATURAL)
+    nb = K // 32
+    store_int8_blocks(v, tl.program_id(0) * (BLOCK // 32), nb, XW + row * (8 * nb), DX + row * nb, RS + row * nb,
+                      BLOCK, ASM, NATURAL)  # fmt: skip
 
 
 @triton.jit
@@ -124,24 +120,45 @@ def _norm_quantize_kernel(
 CHUNK = 1024  # values per program of the plain / SwiGLU kernel
 
 
-def takes_row(x: torch.Tensor, k: int, up=None) -> bool:
-    """Whether the int8-activation GEMVs take a call's activations: one row of K values (``up``, SwiGLU's, of x's
-    shape and dtype), a float dtype, inline PTX (NVIDIA, sm61+ for dp4a; not ROCm) or the CPU interpreter."""
-    if x.numel() != k or x.shape[-1] != k:
-        return False
-    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+def takes_rows(x: torch.Tensor, k: int, up=None) -> bool:
+    """Whether the int8-activation GEMVs take a call's activations as rows of K values (``up``, SwiGLU's, of x's shape
+    and dtype): a float dtype, inline PTX (NVIDIA, sm61+ for dp4a; not ROCm) or the CPU interpreter."""
+    if x.shape[-1] != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
         return False
     if torch.version.hip is not None or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (6, 1)
 
 
-def _outputs(k: int, device):
+def takes_row(x: torch.Tensor, k: int, up=None) -> bool:
+    """takes_rows for one row of K values."""
+    return x.numel() == k and takes_rows(x, k, up)
+
+
+def _outputs(k: int, device, m: int = 1):
     if k % QBLOCK:
         raise ValueError(f"int8 activations: K={k} is not a multiple of {QBLOCK}")
-    xw = torch.empty(k // 4, dtype=torch.int32, device=device)
-    dx = torch.empty(k // QBLOCK, dtype=torch.float32, device=device)
+    xw = torch.empty(m, k // 4, dtype=torch.int32, device=device)
+    dx = torch.empty(m, k // QBLOCK, dtype=torch.float32, device=device)
     return xw, dx, torch.empty_like(dx)
+
+
+def quantize_rows(x: torch.Tensor, up=None, natural: bool = False):
+    """x [M, K] (unit column stride; the gate with ``up`` of its shape and dtype for SwiGLU) -> (xw int32 [M, K / 4],
+    dx, rs float32 [M, K / 32]); ``natural``: the GGUF GEMVs' word order."""
+    if x.dim() != 2 or x.stride(-1) != 1 or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
+        raise ValueError("quantize_rows: rows [M, K] of unit column stride (and up of their shape and dtype)")
+    if up is not None and up.stride(-1) != 1:
+        up = up.contiguous()
+    m, k = x.shape
+    xw, dx, rs = _outputs(k, x.device, m)
+    block = min(CHUNK, triton.next_power_of_2(k))
+    u = up if up is not None else x
+    _quantize_kernel[(triton.cdiv(k, block), m)](
+        x, u, xw, dx, rs, k, x.stride(0), u.stride(0), SWIGLU=up is not None, BLOCK=block, ASM=PTX,
+        NATURAL=natural, num_warps=4, **pdl_options(x.device),
+    )  # fmt: skip
+    return xw, dx, rs
 
 
 def quantize_row(x: torch.Tensor, up=None, natural: bool = False):
@@ -150,13 +167,8 @@ def quantize_row(x: torch.Tensor, up=None, natural: bool = False):
     k = x.shape[-1]
     if x.numel() != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
         raise ValueError("quantize_row: one row (and up of its shape and dtype)")
-    xw, dx, rs = _outputs(k, x.device)
-    block = min(CHUNK, triton.next_power_of_2(k))
-    _quantize_kernel[(triton.cdiv(k, block),)](
-        x, up if up is not None else x, xw, dx, rs, k, SWIGLU=up is not None, BLOCK=block, ASM=PTX, NATURAL=natural,
-        num_warps=4, **pdl_options(x.device),
-    )  # fmt: skip
-    return xw, dx, rs
+    xw, dx, rs = quantize_rows(x.reshape(1, k), None if up is None else up.reshape(1, k), natural)
+    return xw.view(-1), dx.view(-1), rs.view(-1)
 
 
 def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural: bool = False):
@@ -165,7 +177,7 @@ def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: floa
     h = x.shape[-1]
     if x.numel() != h:
         raise ValueError("norm_quantize_row: one row")
-    xw, dx, rs = _outputs(h, x.device)
+    xw, dx, rs = (t.view(-1) for t in _outputs(h, x.device))
     r = torch.empty_like(x) if residual is not None else x
     block, num_warps = _launch_params(h)  # rms_norm.py's: the same sum of squares, in the same order
     _norm_quantize_kernel[(1,)](

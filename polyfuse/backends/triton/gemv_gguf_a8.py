@@ -16,14 +16,23 @@ the pair's second block's quants are whole words, the first's each the high half
 next. Split-K with the last program adding the partials (_qgemv.store_out).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import programs_per_sm, split_buffers, split_plan, store_out, tiles_for
+from polyfuse.backends.triton._qgemv import (
+    programs_per_sm,
+    row_chunks,
+    row_tiles,
+    split_buffers,
+    split_plan,
+    store_tile,
+)
 from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row
+from polyfuse.backends.triton.act_int8 import takes_row, takes_rows
 from polyfuse.backends.triton.gemv_kquant_a8 import _dp4a, _fp16_half, gemv_kquant_a8
 from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_gguf
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
@@ -51,24 +60,31 @@ def _dp4a_signed(w, x, ASM: tl.constexpr):
 
 @triton.jit
 def _gemv_gguf_a8_kernel(
-    XW, DX, RS, W32, B, Y, WS, CNT, N, NB, row_words, nb_per_split,
+    XW, DX, RS, W32, B, Y, WS, CNT, N, NB, row_words, nb_per_split, ROWS,
     FMT: tl.constexpr, Q: tl.constexpr, PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, BLOCK_B blocks, Q quant words]."""
+    """Tiles [M activation rows, BLOCK_N weight rows, BLOCK_B blocks, Q quant words]: a program's weight tile
+    [1, BLOCK_N, ..] is read once for the M rows (ROWS of them real) of activations [M, 1, ..]."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n3 = n[:, None, None]
+    n3 = n[None, :, None, None]
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
-    bb = tl.arange(0, BLOCK_B)[None, :, None]
-    r = tl.arange(0, Q)[None, None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_B, 1], dtype=tl.float32)
+    bb = tl.arange(0, BLOCK_B)[None, None, :, None]
+    r = tl.arange(0, Q)[None, None, None, :]
+    xm = tl.arange(0, M)[:, None, None, None]
+    x_ok = xm < ROWS
+    XW += xm.to(tl.int64) * (8 * NB)  # activation row xm: 8 NB words, NB blocks
+    DX += xm.to(tl.int64) * NB
+    RS += xm.to(tl.int64) * NB
+    acc = tl.zeros([M, BLOCK_N, BLOCK_B, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        b = b0 + bb  # [1, BLOCK_B, 1]
+        b = b0 + bb  # [1, 1, BLOCK_B, 1]
         b_mask = b < b_end
         m = (n3 < N) & b_mask
+        x_mask = b_mask & x_ok
         if PAIRED:  # pair b // 2 is 2 Q + 1 words: [d0, q0 (2 Q words)] [d1, q1] in half-words
             second = (b % 2) == 1
             first = (b % 2) == 0  # not ~second: triton 3.3's interpreter cannot invert an int1 tensor
@@ -83,22 +99,33 @@ def _gemv_gguf_a8_kernel(
             qs = tl.load(W32 + wb + 1 + r, mask=m, other=0)
             hd = tl.load(W32 + wb, mask=m, other=0)
         d = _fp16_half(hd, False)
-        dx = tl.load(DX + b, mask=b_mask, other=0.0)
-        xw = tl.load(XW + b * 8 + r, mask=b_mask, other=0)
+        dx = tl.load(DX + b, mask=x_mask, other=0.0)
+        xw = tl.load(XW + b * 8 + r, mask=x_mask, other=0)
         if FMT == 0:
-            dot = tl.sum(_dp4a_signed(qs, xw, ASM), axis=2, keep_dims=True)
+            dot = tl.sum(_dp4a_signed(qs, xw, ASM), axis=3, keep_dims=True)
             acc += d * (dx * dot.to(tl.float32))
         else:
-            x_hi = tl.load(XW + b * 8 + 4 + r, mask=b_mask, other=0)
-            dot = tl.sum(_dp4a(qs & 0x0F0F0F0F, xw, ASM) + _dp4a((qs >> 4) & 0x0F0F0F0F, x_hi, ASM), axis=2,
+            x_hi = tl.load(XW + b * 8 + 4 + r, mask=x_mask, other=0)
+            dot = tl.sum(_dp4a(qs & 0x0F0F0F0F, xw, ASM) + _dp4a((qs >> 4) & 0x0F0F0F0F, x_hi, ASM), axis=3,
                          keep_dims=True)  # fmt: skip
-            rs = tl.load(RS + b, mask=b_mask, other=0.0)
+            rs = tl.load(RS + b, mask=x_mask, other=0.0)
             if FMT == 1:
                 acc += d * (dx * dot.to(tl.float32) - 8.0 * rs)
             else:
                 acc += d * (dx * dot.to(tl.float32)) + _fp16_half(hd, True) * rs
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
+    store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
+
+
+# Rows of a call that the multi-row launches take (each launch up to _qgemv.ROWS_PER_LAUNCH of them, reading the
+# weight once): more go to dequantize + cuBLAS (dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
+MAX_ROWS = int(os.environ.get("POLYFUSE_GGUF_A8_MAX_ROWS", "8"))
+
+
+def accepts_rows(x: torch.Tensor, qw, up=None) -> bool:
+    """Whether the GGUF A8 path takes a call of 2..MAX_ROWS rows (batch decode): as ``accepts`` for one row."""
+    k = qw.shape[1]
+    rows = x.numel() // max(k, 1)
+    return ENABLED and 2 <= rows <= MAX_ROWS and takes_gguf(qw) and takes_rows(x, k, up)
 
 
 def accepts(x: torch.Tensor, qw, up=None) -> bool:
@@ -109,14 +136,17 @@ def accepts(x: torch.Tensor, qw, up=None) -> bool:
 
 
 def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
-    """(xw, dx, rs) of one row in natural order (act_int8.py) @ dequantize(qw).T -> [1, N] in ``dtype`` (+ bias), for
-    every GGUF type ``accepts`` takes (the K-quants through gemv_kquant_a8.py)."""
+    """(xw, dx, rs) of one row ([K / 4], [K / 32]) or of M rows ([M, K / 4], [M, K / 32]) in natural order
+    (act_int8.py) @ dequantize(qw).T -> [M, N] in ``dtype`` (+ bias), for every GGUF type ``accepts`` takes (the
+    K-quants through gemv_kquant_a8.py). Several rows: each launch takes up to MAX_ROWS of them against the tile's weight rows,
+    K not split."""
     if qw.format in K_QUANTS:
         return gemv_kquant_a8(xq, qw, dtype, bias, tiles, split)
     xw, dx, rs = xq
     n, k = qw.shape
     fmt_code, words, pairs = LAYOUT[qw.format]
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format + "_a8", n, k)
+    rows = xw.numel() // (k // 4)
+    block_n, block_k, num_warps, num_stages = tiles or row_tiles(qw.format + "_a8", n, k, rows)
     block_b = max(1, block_k // 32)
     assert block_b & (block_b - 1) == 0, "block_k / 32 blocks per step: a power of 2"
     w = qw.qweight
@@ -124,13 +154,23 @@ def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split
         w = w.contiguous()
     nb = k // 32
     assert w.shape[1] == nb * GGUF_BYTES[qw.format] and (not pairs or nb % 2 == 0)
-    grid_n = triton.cdiv(n, block_n)
-    split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
-    y = torch.empty((1, n), dtype=dtype, device=xw.device)
-    ws, cnt = split_buffers(split, grid_n, n, xw.device)
-    _gemv_gguf_a8_kernel[(grid_n, split)](
-        xw, dx, rs, w.view(torch.int32), bias if bias is not None else y, y, ws, cnt, n, nb, w.stride(0) // 4, per,
-        FMT=fmt_code, Q=words, PAIRED=pairs, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n,
-        BLOCK_B=block_b, ASM=PTX, num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device),
-    )  # fmt: skip
+    y = torch.empty((rows, n), dtype=dtype, device=xw.device)
+    w32, b = w.view(torch.int32), bias if bias is not None else y
+    consts = dict(FMT=fmt_code, Q=words, PAIRED=pairs, HAS_BIAS=bias is not None, BLOCK_B=block_b, ASM=PTX,
+                  num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device))  # fmt: skip
+    if rows == 1:
+        grid_n = triton.cdiv(n, block_n)
+        split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
+        ws, cnt = split_buffers(split, grid_n, n, xw.device)
+        _gemv_gguf_a8_kernel[(grid_n, split)](
+            xw, dx, rs, w32, b, y, ws, cnt, n, nb, w.stride(0) // 4, per, 1, SPLIT=split, BLOCK_N=block_n, M=1,
+            **consts,
+        )  # fmt: skip
+        return y
+    xw, dx, rs = xw.view(rows, -1), dx.view(rows, -1), rs.view(rows, -1)
+    for c, count, m_pad in row_chunks(rows):
+        _gemv_gguf_a8_kernel[(triton.cdiv(n, block_n), 1)](
+            xw[c:], dx[c:], rs[c:], w32, b, y[c:], y, y, n, nb, w.stride(0) // 4, nb, count, SPLIT=1,
+            BLOCK_N=block_n, M=m_pad, **consts,
+        )  # fmt: skip
     return y

@@ -21,7 +21,14 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import programs_per_sm, split_buffers, split_plan, store_out, tiles_for
+from polyfuse.backends.triton._qgemv import (
+    programs_per_sm,
+    row_chunks,
+    row_tiles,
+    split_buffers,
+    split_plan,
+    store_tile,
+)
 from polyfuse.backends.triton._rounding import PTX
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
@@ -63,30 +70,42 @@ def _fp16_half(w, HIGH: tl.constexpr):
 
 
 @triton.jit
+def _activation_rows(XW, DX, NB, ROWS, M: tl.constexpr):
+    """XW / DX moved to activation row i along a first axis of M (64 NB words, 8 NB blocks a row of NB
+    super-blocks), and which of them exist."""
+    i = tl.arange(0, M)[:, None, None, None]
+    return XW + i.to(tl.int64) * (64 * NB), DX + i.to(tl.int64) * (8 * NB), i < ROWS
+
+
+@triton.jit
 def _gemv_kquant_a8_kernel(
-    XW, DX, RS, W32, B, Y, WS, CNT, N, NB, row_words, nb_per_split,
+    XW, DX, RS, W32, B, Y, WS, CNT, N, NB, row_words, nb_per_split, ROWS,
     Q5: tl.constexpr, WORDS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr,
-    BLOCK_B: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+    BLOCK_B: tl.constexpr, M: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, 4 BLOCK_B runs, 8 words]: run j of a super-block is its words 8 j .. 8 j + 7, holding
+    """Tiles [M activation rows, BLOCK_N weight rows, 4 BLOCK_B runs, 8 words]: run j of a super-block is its words 8 j .. 8 j + 7, holding
     sub-blocks 2 j (low nibbles) and 2 j + 1 (high); its super-block's header (d and dmin, the 12 scale bytes) is
     four word loads, decoded in registers. Session 19: 3-D tiles, every run its own element of the middle axis (the
-    32-weight kernel's shape), took 22-28% off the 4-D [rows, super-blocks, runs, words] version per layer."""
+    32-weight kernel's shape), took 22-28% off the 4-D [rows, super-blocks, runs, words] version per layer. The
+    first axis holds M activation rows (ROWS real): each weight tile is read once for all of them."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n3 = n[:, None, None]
+    n3 = n[None, :, None, None]
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
     G: tl.constexpr = 4 * BLOCK_B
-    g = tl.arange(0, G)[None, :, None]
+    g = tl.arange(0, G)[None, None, :, None]
     j = g % 4
-    r = tl.arange(0, 8)[None, None, :]
-    acc = tl.zeros([BLOCK_N, G, 1], dtype=tl.float32)
+    r = tl.arange(0, 8)[None, None, None, :]
+    XW, DX, x_ok = _activation_rows(XW, DX, NB, ROWS, M)
+    RS += tl.arange(0, M)[:, None, None, None].to(tl.int64) * (8 * NB)
+    acc = tl.zeros([M, BLOCK_N, G, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        sb = b0 + g // 4  # [1, G, 1]
+        sb = b0 + g // 4  # [1, 1, G, 1]
         g_mask = sb < b_end
         m = (n3 < N) & g_mask
+        x_mask = g_mask & x_ok
         wb = n3 * row_words + sb * WORDS  # the super-block's first word
         hd = tl.load(W32 + wb, mask=m, other=0)
         s0 = tl.load(W32 + wb + 1, mask=m, other=0)
@@ -100,22 +119,21 @@ def _gemv_kquant_a8_kernel(
             lo |= (qh & 0x01010101) << 4
             hi |= (qh & 0x02020202) << 3
         xw = sb * 64 + 16 * j + r  # activation words of weights 256 sb + 64 j + 4 r ..
-        x_lo = tl.load(XW + xw, mask=g_mask, other=0)
-        x_hi = tl.load(XW + xw + 8, mask=g_mask, other=0)
-        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=2, keep_dims=True).to(tl.float32)
-        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=2, keep_dims=True).to(tl.float32)
+        x_lo = tl.load(XW + xw, mask=x_mask, other=0)
+        x_hi = tl.load(XW + xw + 8, mask=x_mask, other=0)
+        dot_lo = tl.sum(_dp4a(lo, x_lo, ASM), axis=3, keep_dims=True).to(tl.float32)
+        dot_hi = tl.sum(_dp4a(hi, x_hi, ASM), axis=3, keep_dims=True).to(tl.float32)
         blk = sb * 8 + 2 * j  # activation block of sub-block 2 j
-        dx_lo = tl.load(DX + blk, mask=g_mask, other=0.0)
-        dx_hi = tl.load(DX + blk + 1, mask=g_mask, other=0.0)
-        rs_lo = tl.load(RS + blk, mask=g_mask, other=0.0)
-        rs_hi = tl.load(RS + blk + 1, mask=g_mask, other=0.0)
+        dx_lo = tl.load(DX + blk, mask=x_mask, other=0.0)
+        dx_hi = tl.load(DX + blk + 1, mask=x_mask, other=0.0)
+        rs_lo = tl.load(RS + blk, mask=x_mask, other=0.0)
+        rs_hi = tl.load(RS + blk + 1, mask=x_mask, other=0.0)
         sc_lo, m_lo = _scale_min(s0, s1, s2, 2 * j)
         sc_hi, m_hi = _scale_min(s0, s1, s2, 2 * j + 1)
         d = _fp16_half(hd, False)
         dmin = _fp16_half(hd, True)
         acc += d * (sc_lo * (dx_lo * dot_lo) + sc_hi * (dx_hi * dot_hi)) - dmin * (m_lo * rs_lo + m_hi * rs_hi)
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
+    store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -126,54 +144,73 @@ def _word(W16, at, mask):
 
 
 @triton.jit
+def _pair_word(W32, pw, j, odd, mask):
+    """Word j of a super-block in a pair of two (420 bytes = 105 words from word ``pw``): the first's word j is word
+    j; the second starts 210 bytes in, so its word j is the high half of word 52 + j and the low half of 53 + j."""
+    a = tl.load(W32 + pw + j + tl.where(odd, 52, 0), mask=mask, other=0)
+    c = tl.load(W32 + pw + j + 53, mask=mask & odd, other=0)
+    return tl.where(odd, ((a >> 16) & 0xFFFF) | (c << 16), a)
+
+
+@triton.jit
 def _gemv_q6k_a8_kernel(
-    XW, DX, W8, W16, B, Y, WS, CNT, N, NB, row_halves, nb_per_split,
-    HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
-    ASM: tl.constexpr,
+    XW, DX, W8, W16, W32, B, Y, WS, CNT, N, NB, row_halves, nb_per_split, ROWS,
+    PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    M: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
 ):  # fmt: skip
-    """Q6_K: tiles [BLOCK_N rows, 16 BLOCK_B groups of 16 weights, 4 words] (3-D, as the other kernels'). Group 2 p + t
+    """Q6_K: tiles [M activation rows, BLOCK_N weight rows, 16 BLOCK_B groups of 16 weights, 4 words]. Group 2 p + t
     of a step is half t of quarter p; quarter (h, s) of a super-block is weights 128 h + 32 s + l: low (s < 2) or high
     nibbles of ql bytes 64 h + 32 (s % 2) + l, the 2 high bits at bits 2 s of qh byte 32 h + l; one int8 scale per
-    16. A super-block is 210 bytes, so its words are read as 16-bit halves. sum (q - 32) q_x = sum q q_x - 32 sum q_x,
-    both from dp4a (the second against 0x01010101)."""
+    16. A super-block is 210 bytes: with an even number per row (PAIRED) the quant words are read as 32-bit words by
+    pairs of super-blocks (_pair_word), otherwise as 16-bit halves. sum (q - 32) q_x = sum q q_x - 32 sum q_x, both
+    from dp4a (the second against 0x01010101)."""
     wait_prior(PDL)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n3 = n[:, None, None]
+    n3 = n[None, :, None, None]
     b_start = tl.program_id(1) * nb_per_split
     b_end = tl.minimum(NB, b_start + nb_per_split)
     G: tl.constexpr = 16 * BLOCK_B
-    g = tl.arange(0, G)[None, :, None]
-    w = tl.arange(0, 4)[None, None, :]
+    g = tl.arange(0, G)[None, None, :, None]
+    w = tl.arange(0, 4)[None, None, None, :]
     p = g // 2  # the quarter within the step
     t = g % 2
     h = (p // 4) % 2
     s = p % 4
-    acc = tl.zeros([BLOCK_N, G, 1], dtype=tl.float32)
+    XW, DX, x_ok = _activation_rows(XW, DX, NB, ROWS, M)
+    acc = tl.zeros([M, BLOCK_N, G, 1], dtype=tl.float32)
     for b0 in range(b_start, b_end, BLOCK_B):
-        sb = b0 + p // 8  # [1, G, 1]
+        sb = b0 + p // 8  # [1, 1, G, 1]
         g_mask = sb < b_end
         m = (n3 < N) & g_mask
+        x_mask = g_mask & x_ok
         base = n3 * row_halves + sb * 105  # the super-block's first half-word (210 bytes)
-        ql = _word(W16, base + 32 * h + 16 * (s % 2) + 8 * t + 2 * w, m)  # ql bytes 64 h + 32 (s % 2) + 16 t + 4 w
-        qh = _word(W16, base + 64 + 16 * h + 8 * t + 2 * w, m)  # qh bytes 128 + 32 h + 16 t + 4 w ..
+        if PAIRED:  # ql words 16 h + 8 (s % 2) + 4 t + w, qh words 32 + 8 h + 4 t + w
+            pw = n3 * (row_halves // 2) + (sb // 2) * 105
+            odd = (sb % 2) == 1
+            ql = _pair_word(W32, pw, 16 * h + 8 * (s % 2) + 4 * t + w, odd, m)
+            qh = _pair_word(W32, pw, 32 + 8 * h + 4 * t + w, odd, m)
+        else:
+            ql = _word(W16, base + 32 * h + 16 * (s % 2) + 8 * t + 2 * w, m)  # ql bytes 64 h + 32 (s % 2) + 16 t + 4 w
+            qh = _word(W16, base + 64 + 16 * h + 8 * t + 2 * w, m)  # qh bytes 128 + 32 h + 16 t + 4 w ..
         q = ((ql >> (4 * (s // 2))) & 0x0F0F0F0F) | (((qh >> (2 * s)) & 0x03030303) << 4)
-        xw = tl.load(XW + sb * 64 + 32 * h + 8 * s + 4 * t + w, mask=g_mask, other=0)
-        dot = tl.sum(_dp4a(q, xw, ASM), axis=2, keep_dims=True)
-        xs = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, ASM), axis=2, keep_dims=True)
+        xw = tl.load(XW + sb * 64 + 32 * h + 8 * s + 4 * t + w, mask=x_mask, other=0)
+        dot = tl.sum(_dp4a(q, xw, ASM), axis=3, keep_dims=True)
+        xs = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, ASM), axis=3, keep_dims=True)
         sc = tl.load(W8 + 2 * base + 192 + 8 * h + 2 * s + t, mask=m, other=0).to(tl.float32)
         d = tl.load(W16 + base + 104, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        dx = tl.load(DX + sb * 8 + 4 * h + s, mask=g_mask, other=0.0)
+        dx = tl.load(DX + sb * 8 + 4 * h + s, mask=x_mask, other=0.0)
         acc += (d * sc) * (dx * (dot - 32 * xs).to(tl.float32))
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    store_out(Y, B, WS, CNT, n, n_mask, N, out, HAS_BIAS, SPLIT)
+    store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
 def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
-    """(xw, dx, rs) of one row in natural order (act_int8.py) @ dequantize(qw).T -> [1, N] in ``dtype`` (+ bias)."""
+    """(xw, dx, rs) of one row or of M rows in natural order (act_int8.py) @ dequantize(qw).T -> [M, N] in
+    ``dtype`` (+ bias); several rows as gemv_gguf_a8.py launches them."""
     xw, dx, rs = xq
     n, k = qw.shape
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format + "_a8", n, k)
+    rows = xw.numel() // (k // 4)
+    block_n, block_k, num_warps, num_stages = tiles or row_tiles(qw.format + "_a8", n, k, rows)
     block_b = max(1, block_k // GGUF_SUPER)
     assert block_b & (block_b - 1) == 0, "block_k / 256 super-blocks per step: a power of 2"
     q6 = qw.format == "gguf_q6_k"
@@ -183,21 +220,28 @@ def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, spl
     nb = k // GGUF_SUPER
     nbytes = GGUF_BYTES[qw.format]
     assert w.shape[1] == nb * nbytes
-    grid_n = triton.cdiv(n, block_n)
-    split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
-    y = torch.empty((1, n), dtype=dtype, device=xw.device)
-    ws, cnt = split_buffers(split, grid_n, n, xw.device)
+    y = torch.empty((rows, n), dtype=dtype, device=xw.device)
+    b = bias if bias is not None else y
     if q6:
-        _gemv_q6k_a8_kernel[(grid_n, split)](
-            xw, dx, w.view(torch.int8), w.view(torch.int16), bias if bias is not None else y, y, ws, cnt, n, nb,
-            w.stride(0) // 2, per, HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b,
-            ASM=PTX, num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device),
-        )  # fmt: skip
+        paired = nb % 2 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0  # 32-bit words by pairs
+        w32 = w.view(torch.int32) if paired else w.view(torch.int16)
+        kernel, weights = _gemv_q6k_a8_kernel, (xw, dx, w.view(torch.int8), w.view(torch.int16), w32)
+        stride, consts = w.stride(0) // 2, dict(PAIRED=paired)
+    else:
+        kernel, weights = _gemv_kquant_a8_kernel, (xw, dx, rs, w.view(torch.int32))
+        stride, consts = w.stride(0) // 4, dict(Q5=qw.format == "gguf_q5_k", WORDS=nbytes // 4)
+    consts.update(HAS_BIAS=bias is not None, BLOCK_B=block_b, ASM=PTX, num_warps=num_warps, num_stages=num_stages,
+                  **pdl_options(xw.device))  # fmt: skip
+    if rows == 1:
+        grid_n = triton.cdiv(n, block_n)
+        split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
+        ws, cnt = split_buffers(split, grid_n, n, xw.device)
+        kernel[(grid_n, split)](*weights, b, y, ws, cnt, n, nb, stride, per, 1, SPLIT=split, BLOCK_N=block_n, M=1,
+                                **consts)  # fmt: skip
         return y
-    _gemv_kquant_a8_kernel[(grid_n, split)](
-        xw, dx, rs, w.view(torch.int32), bias if bias is not None else y, y, ws, cnt, n, nb,
-        w.stride(0) // 4, per, Q5=qw.format == "gguf_q5_k", WORDS=nbytes // 4, HAS_BIAS=bias is not None,
-        SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b, ASM=PTX, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(xw.device),
-    )  # fmt: skip
+    acts = [t.view(rows, -1) for t in weights[: 2 if q6 else 3]]
+    packed = weights[len(acts) :]
+    for c, count, m_pad in row_chunks(rows):
+        kernel[(triton.cdiv(n, block_n), 1)](*(t[c:] for t in acts), *packed, b, y[c:], y, y, n, nb, stride, nb,
+                                             count, SPLIT=1, BLOCK_N=block_n, M=m_pad, **consts)  # fmt: skip
     return y

@@ -1,6 +1,11 @@
 """The Triton dequantizing GEMM as ``linear_q`` / ``swiglu_linear_q`` for a few rows (batch decode): int4
 (gemm_gptq.py; 2..16 rows with in-order groups: gemv_gptq_mma.py, the packed nibbles as tensor-core operands), int8
 and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
+GGUF types kept as stored: 2..gemv_gguf_a8.MAX_ROWS (8) rows with the int8-activation path on (POLYFUSE_GGUF_A8): the
+rows quantized to int8 in blocks of 32 (SwiGLU in that kernel), then the GGUF GEMV with every launch reading the
+weight once for up to 8 rows (gemv_gguf_a8.py / gemv_kquant_a8.py), as llama.cpp's mul_mat_vec_q for a few columns;
+more rows (or the path off), up to GGUF_GEMM_MAX_ROWS of Q4_1 / Q4_K: gemm_gguf.py, the blocks dequantized in the
+loads and multiplied on the tensor cores.
 
 It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
@@ -14,11 +19,18 @@ from typing import Optional
 
 import torch
 
+from polyfuse.backends.triton import gemv_gguf_a8
 from polyfuse.backends.triton._util import rows
 from polyfuse.backends.triton.quant_gemv import kernel_refusal
+from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
-FORMATS = ("int4", "int8", "fp8")
+# GGUF types whose dequantizing GEMM (gemm_gguf.py) beat dequantize + cuBLAS on one H200 (session 21, 8B projections:
+# per layer at 16 rows Q4_1 220 against 325 us, Q4_K 233 against 281; at 32 rows 235 / 257; at 64 rows it lost, and
+# Q6_K lost at every row count: its scattered loads), and the rows it takes; the other types' rows past the
+# int8-activation GEMV go to dequant_mm.py (Q4_0 / Q5_K / Q8_0: not measured).
+GGUF_GEMM, GGUF_GEMM_MAX_ROWS = ("gguf_q4_1", "gguf_q4_k"), 32
+FORMATS = ("int4", "int8", "fp8", *GGUF_GEMM)
 # Rows the GEMM takes: all rows of a decode batch fit one BLOCK_M <= 64 tile (the weight is read once per call).
 # Where dequantize + cuBLAS overtakes it is for the GPU to say (benchmark_linear.py --quant --rows 64,128,256):
 # POLYFUSE_QGEMM_MAX_ROWS moves the bound for such runs.
@@ -27,6 +39,8 @@ MIN_ROWS, MAX_ROWS = 2, int(os.environ.get("POLYFUSE_QGEMM_MAX_ROWS", "64"))
 
 def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
     n, k = qweight.shape
+    if qweight.format in GGUF_BYTES and gemv_gguf_a8.accepts_rows(x, qweight):
+        return kernel_refusal(x, qweight, bias, GGUF_BYTES, "GEMM")
     if x.shape[-1] != k:
         return "input width is not the weight's K"
     m = x.numel() // max(k, 1)
@@ -34,6 +48,8 @@ def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
         return "one row (the GEMV's)" if m == 1 else "no rows"
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
+    if qweight.format in GGUF_GEMM and m > GGUF_GEMM_MAX_ROWS:
+        return f"GGUF: more than {GGUF_GEMM_MAX_ROWS} rows (dequantize + cuBLAS is faster, measured)"
     return kernel_refusal(x, qweight, bias, FORMATS, "GEMM")
 
 
@@ -44,6 +60,10 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     if up.shape != gate.shape or up.dtype != gate.dtype:
         return "gate and up differ in shape or dtype"
+    if qweight.format in GGUF_BYTES and gemv_gguf_a8.accepts_rows(gate, qweight, up):  # SwiGLU in the quantize kernel
+        return kernel_refusal(gate, qweight, bias, GGUF_BYTES, "GEMM") or (
+            "needs gradients" if up.requires_grad and torch.is_grad_enabled() else None
+        )
     if gate.is_cuda:  # H200, 8B down projection: the fold took 187 us (int4) / 70 us (int8) against 50 / 28 without
         return "the separate SwiGLU + GEMM is faster (measured)"
     return _refusal(gate, qweight, bias) or (_refusal(up, qweight, None) if up.requires_grad else None)
@@ -51,7 +71,14 @@ def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
 
 def _gemm(x, up, qweight, bias):
     k = qweight.shape[1]
-    if qweight.format == "int4":
+    if qweight.format in GGUF_BYTES:
+        if gemv_gguf_a8.accepts_rows(x, qweight, up):  # rows quantized to int8 (SwiGLU first), the multi-row GEMV
+            from polyfuse.backends.triton.act_int8 import quantize_rows
+
+            xq = quantize_rows(rows(x, k), None if up is None else rows(up, k), natural=True)
+            return gemv_gguf_a8.gemv_gguf_a8(xq, qweight, x.dtype, bias)
+        from polyfuse.backends.triton.gemm_gguf import gemm_gguf as kernel
+    elif qweight.format == "int4":
         from polyfuse.backends.triton import gemv_gptq_mma
 
         if gemv_gptq_mma.accepts(x, up, qweight):  # up to 16 rows: the tensor-core GEMV

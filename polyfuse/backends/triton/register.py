@@ -118,6 +118,12 @@ QUANT_NOTE = (
 GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
     "operands)"
+    + (
+        "; gguf_*, 2..8 rows: rows quantized to int8, then the GGUF GEMV reading the weight once for all rows (dp4a)"
+        if GGUF_A8
+        else ""
+    )
+    + "; gguf_q4_1/q4_k, up to 32 rows: Triton GEMM dequantizing the blocks in its loads"
 )
 BLOCK_MM_NOTE = (
     "fp8_block, bf16, 2+ rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
@@ -144,9 +150,9 @@ NORM_SCALED_MM_NOTE = (
     "torch._scaled_mm"
 )
 # Below the one-row GEMV (PRIORITY), above cuda:scaled_mm (fp8, PRIORITY - 10): a declined call walks
-# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8) -> fp8_block_mm (fp8_block, 2+ rows, sm90) -> dequant_mm
-# (int4/int8/fp8_block/GGUF, any rows; fp8 where no e4m3 GEMM takes it) -> fp8_scaled_mm (fp8, more rows) ->
-# cuda:scaled_mm -> native.
+# gemv_q (1 row) -> gemm_q (2..64 rows, int4/int8/fp8; GGUF 2..8 on int8 activations, Q4_1/Q4_K to 32) ->
+# fp8_block_mm (fp8_block, 2+ rows, sm90) -> dequant_mm (int4/int8/fp8_block/GGUF, any rows; fp8 where no e4m3 GEMM
+# takes it) -> fp8_scaled_mm (fp8, more rows) -> cuda:scaled_mm -> native.
 GEMM_PRIORITY = PRIORITY - 4
 BLOCK_MM_PRIORITY = PRIORITY - 5
 DEQUANT_PRIORITY = PRIORITY - 6
