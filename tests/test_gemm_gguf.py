@@ -49,7 +49,7 @@ def test_gemm_against_the_reference(device, fmt):
             assert (folded.double() - want).abs().max() <= 1e-5 * want.abs().max(), (fmt, m, split)
     nbytes = qf.GGUF_BYTES[fmt]
     raw = qw.qweight.view(n, -1, nbytes).clone()
-    # the first block's d (32-weight types) or a K-quant's scale byte (Q4_K / Q5_K scale 0, Q6_K scale 0)
+    # every block's d (32-weight types: its high byte) or a K-quant's scale byte (Q4_K / Q5_K scale 0, Q6_K scale 0)
     raw[:, :, {"gguf_q4_k": 4, "gguf_q5_k": 4, "gguf_q6_k": 192}.get(fmt, 1)] ^= 0x21
     bad = dataclasses.replace(qw, qweight=raw.view(n, -1))
     want = x.double() @ qf.dequantize(bad, torch.float64).t() + bias.double()
@@ -57,9 +57,10 @@ def test_gemm_against_the_reference(device, fmt):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gemm_in_bfloat16_rounds_the_weights_as_the_reference(device):
-    """bfloat16 activations: the tile's weights rounded to bfloat16 as dequantize(qw, bfloat16) is, then the
-    tensor-core product (the CPU interpreter: float32): within the output's rounding of F.linear on that weight."""
+def test_gemm_in_bfloat16(device):
+    """bfloat16 activations and output (the GPU: a bfloat16 tensor-core product of the weights rounded as
+    dequantize(qw, bfloat16) is; the CPU interpreter: float32): each output within two bfloat16 steps of the float32
+    product with that weight (plus 1e-3 of the largest output for the sums' order)."""
     gen = torch.Generator().manual_seed(6)
     qw = _on(random_gguf("gguf_q4_k", 64, 512, seed=2), device)
     x = torch.randn(16, 512, generator=gen).to(torch.bfloat16).to(device)
@@ -67,4 +68,4 @@ def test_gemm_in_bfloat16_rounds_the_weights_as_the_reference(device):
         got = gemm_gguf(x, None, qw)
     want = x.float() @ qf.dequantize(qw, torch.bfloat16).float().t()
     assert got.dtype == torch.bfloat16
-    assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max()
+    assert ((got.float() - want).abs() <= 2**-7 * want.abs() + 1e-3 * want.abs().max()).all()

@@ -122,17 +122,18 @@ def test_gemv_against_the_reference(device, fmt):
 @pytest.mark.parametrize("fmt", GGUF)
 def test_rows_against_the_reference(device, fmt):
     """Several activation rows (batch decode): rows of a wider tensor (a row stride past K), SwiGLU's rows, 2 / 5 / 8
-    rows in one launch and 11 in two (8 + 3); each row's quantized bytes equal the one-row kernel's, and each output
-    row is within 1e-5 of the largest output of the float64 reference of that row. A launch that drops its last row
-    or mixes rows up fails."""
+    rows in one launch, 9 and 11 in two (8 + 1, 8 + 3); each row's quantized bytes are the reference's (plain rows)
+    and the one-row kernel's, and each output row is within 1e-5 of the largest output of the float64 reference of
+    that row. Q6_K with an even number of super-blocks per row (its word-pair reads). A launch that drops its last
+    row or mixes rows up fails."""
     gen = torch.Generator().manual_seed(3)
-    k = 768 if fmt in qf.K_QUANTS else 320
+    k = {"gguf_q6_k": 1536, "gguf_q4_k": 768, "gguf_q5_k": 768}.get(fmt, 320)
     qw = _on(random_gguf(fmt, 37, k, seed=4), device)
     bias = torch.randn(37, generator=gen).to(device)
     wide = (torch.randn(11, k + 40, generator=gen) + 0.2).to(device)
     gate, up = ((torch.randn(5, k, generator=gen) * 2).to(device) for _ in range(2))
-    for x, u in ((wide[:2, :k], None), (wide[:5, 3 : k + 3], None), (wide[:8, :k], None), (wide[:, :k], None),
-                 (gate, up)):  # fmt: skip
+    for x, u in ((wide[:2, :k], None), (wide[:5, 3 : k + 3], None), (wide[:8, :k], None), (wide[:9, :k], None),
+                 (wide[:, :k], None), (gate, up)):  # fmt: skip
         xq = quantize_rows(x, u, natural=True)
         with torch.inference_mode():
             got = ga8.gemv_gguf_a8(xq, qw, torch.float32, bias)
@@ -140,6 +141,8 @@ def test_rows_against_the_reference(device, fmt):
         for i in range(x.shape[0]):
             one = quantize_row(x[i : i + 1].contiguous(), None if u is None else u[i : i + 1], natural=True)
             assert all(torch.equal(a[i], b) for a, b in zip(xq, one)), (fmt, i)
+            if u is None:
+                assert_quantized_as([t[i] for t in xq], x[i])
             row = x[i] if u is None else (torch.nn.functional.silu(gate[i]) * up[i])
             want = reference(row if u is None else row.to(x.dtype), qw, bias)
             err = (got[i].double() - want).abs().max().item()

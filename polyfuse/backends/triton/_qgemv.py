@@ -307,8 +307,8 @@ def tiles_for(fmt: str, n: int, k: int) -> tuple:
 
 
 # The multi-row GGUF GEMVs (gemv_gguf_a8.py, gemv_kquant_a8.py): activation rows per launch (llama.cpp's
-# mul_mat_vec_q takes up to 8 columns too), and their tiles per (format, rows per launch padded to a power of 2),
-# else the format's one-row tile. Session 21 (one H200): 12 tiles (2-8 weight rows a program, 512 / 1024 weights a
+# mul_mat_vec_q takes up to 8 columns too), and their tiles per (format, rows per launch padded to a power of 2; a
+# call's launches all take its first launch's tile), else the format's one-row tile. Session 21 (one H200): 12 tiles (2-8 weight rows a program, 512 / 1024 weights a
 # step, 2 / 4 warps) swept at 2, 4, 8 and 16 rows on the four 8B projections; the least summed over them. 16 rows in
 # one launch tied dequantize + cuBLAS for Q8_0 / Q4_0 / Q4_1 and lost for the K-quants, so gemv_gguf_a8.MAX_ROWS is 8.
 ROWS_PER_LAUNCH = 8

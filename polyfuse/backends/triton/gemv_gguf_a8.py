@@ -1,4 +1,4 @@
-"""GGUF weights on int8 activations at one row (``POLYFUSE_GGUF_A8``): the switch, what it takes, the dispatch, and
+"""GGUF weights on int8 activations at one row and, through quant_gemm.py, 2..8 rows (``POLYFUSE_GGUF_A8``): the switch, what it takes, the dispatch, and
 the kernel of the 32-weight types Q8_0 / Q4_0 / Q4_1 (the K-quants' kernels are gemv_kquant_a8.py's).
 
 As llama.cpp's CUDA backend (and vLLM's GGUF kernels, which are llama.cpp's) run every GGUF type on q8_1
@@ -117,7 +117,8 @@ def _gemv_gguf_a8_kernel(
 
 
 # Rows of a call that the multi-row launches take (each launch up to _qgemv.ROWS_PER_LAUNCH of them, reading the
-# weight once): more go to dequantize + cuBLAS (dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
+# weight once): more go to quant_gemm.py's other choices (Q4_1 / Q4_K: gemm_gguf.py up to 32 rows; else dequantize +
+# cuBLAS, dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
 MAX_ROWS = int(os.environ.get("POLYFUSE_GGUF_A8_MAX_ROWS", "8"))
 
 
@@ -138,8 +139,8 @@ def accepts(x: torch.Tensor, qw, up=None) -> bool:
 def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
     """(xw, dx, rs) of one row ([K / 4], [K / 32]) or of M rows ([M, K / 4], [M, K / 32]) in natural order
     (act_int8.py) @ dequantize(qw).T -> [M, N] in ``dtype`` (+ bias), for every GGUF type ``accepts`` takes (the
-    K-quants through gemv_kquant_a8.py). Several rows: each launch takes up to MAX_ROWS of them against the tile's weight rows,
-    K not split."""
+    K-quants through gemv_kquant_a8.py). Several rows: each launch takes up to _qgemv.ROWS_PER_LAUNCH of them against
+    the tile's weight rows, K not split."""
     if qw.format in K_QUANTS:
         return gemv_kquant_a8(xq, qw, dtype, bias, tiles, split)
     xw, dx, rs = xq

@@ -1,4 +1,4 @@
-"""One-row GEMV on GGUF Q4_K / Q5_K / Q6_K super-blocks times int8 activations, on integer dot products (``dp4a``).
+"""GEMV (one row, or 2..8 rows through a first tile axis) on GGUF Q4_K / Q5_K / Q6_K super-blocks times int8 activations, on integer dot products (``dp4a``).
 
 Reached through gemv_gguf_a8.py (the switch ``POLYFUSE_GGUF_A8`` and what it takes), as llama.cpp's CUDA backend
 runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
