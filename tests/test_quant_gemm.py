@@ -406,9 +406,10 @@ def recording_kernels(calls):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_which_implementation_takes_which_rows(dtype):
-    """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); more rows (fp8_block: from 2):
-    linear_q's dequantize kernel + F.linear (int4 / int8 / fp8_block, fp8 in float32), and for swiglu_linear_q its
-    composite (swiglu, then linear_q's same chain; GGUF from 2 rows too); fp8 with more than 64 bf16 rows: each op's
+    """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); GGUF 2..8 rows: gemm_q's
+    int8-activation GEMV (SwiGLU in its quantize kernel), Q4_1 up to 32 rows gemm_q's GGUF GEMM; more rows (fp8_block:
+    from 2): linear_q's dequantize kernel + F.linear (int4 / int8 / fp8_block / GGUF, fp8 in float32), and for
+    swiglu_linear_q its composite (swiglu, then linear_q's same chain); fp8 with more than 64 bf16 rows: each op's
     own fp8_scaled_mm (swiglu_linear_q's with SwiGLU in its activation quantization, not the composite's linear_q). Calls are recorded as "op:implementation" (linear_q's: the name), so a
     composite's linear_q is told from swiglu_linear_q's own implementation. Results equal the reference (fp8_scaled_mm,
     which quantizes the activations to e4m3 too: the largest error within 15% of the outputs' rms)."""
@@ -420,14 +421,18 @@ def test_which_implementation_takes_which_rows(dtype):
     calls = []
     kern = recording_kernels(calls)
     gen = torch.Generator().manual_seed(8)
-    for fmt in ("int4", "int8", "gguf_q4_0", "fp8", "fp8_block"):
+    for fmt in ("int4", "int8", "gguf_q4_0", "gguf_q4_1", "fp8", "fp8_block"):
         qw = quantized(fmt, 48, 256, "cpu")
-        for m in (1, 2, 16, 64, 65, 130):
+        for m in (1, 2, 8, 16, 64, 65, 130):
             if m == 1:
                 want = "gemv_q"
             elif fmt in ("int4", "int8", "fp8") and m <= 64:
                 want = "gemm_q"
-            elif fmt in ("int4", "int8", "fp8_block", "gguf_q4_0") or (fmt == "fp8" and dtype != torch.bfloat16):
+            elif fmt.startswith("gguf") and (m <= 8 or (fmt == "gguf_q4_1" and m <= 32)):
+                want = "gemm_q"
+            elif fmt in ("int4", "int8", "fp8_block", "gguf_q4_0", "gguf_q4_1") or (
+                fmt == "fp8" and dtype != torch.bfloat16
+            ):
                 want = "dequant_mm"
             else:  # fp8 prefill: the activations quantized per token by a Triton kernel, then torch._scaled_mm
                 want = "fp8_scaled_mm"
@@ -443,7 +448,8 @@ def test_which_implementation_takes_which_rows(dtype):
                 # fp8_scaled_mm quantizes x too (test_quantization.py checks its arithmetic exactly), and so does
                 # the GGUF GEMV, to int8 in blocks of 32 (tests/test_gguf_a8.py)
                 bound = 0.15 if want == "fp8_scaled_mm" else BOUND[dtype]
-                if want == "gemv_q" and gemv_gguf_a8.accepts(x, qw):  # SwiGLU's product rounded once, as its kernel
+                a8 = gemv_gguf_a8.accepts(x, qw) if m == 1 else gemv_gguf_a8.accepts_rows(x, qw)
+                if want in ("gemv_q", "gemm_q") and a8:  # SwiGLU's product rounded once, as its kernel
                     act = x if op == "linear_q" else (F.silu(gate.float()) * up.float()).to(dtype)
                     act = int8_activations(act)
                 assert err(y.view(m, 48), reference(act, qw)) < bound, (op, fmt, m)
