@@ -158,6 +158,20 @@ def write_tiny_cli_model(path: str, tokenizer, max_position_embeddings: int = 32
     return path
 
 
+def record_last_logits_(model) -> list:
+    """Wrap ``model.forward`` (in place) so that each call's last-position logits are appended to the returned list
+    (one entry per prefill or decode step)."""
+    logits, forward = [], model.forward
+
+    def record(*a, **k):
+        out = forward(*a, **k)
+        logits.append(out.logits[:, -1].clone())
+        return out
+
+    model.forward = record
+    return logits
+
+
 def cpu_scaled_mm_missing():
     """Why torch._scaled_mm with row-wise scales (polyfuse's) cannot run on the CPU in this torch, or None: no CPU
     kernel before torch 2.8, per-tensor scales only in some later ones (2.11)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dist_env, one_thread, run_session, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
+from helpers import dist_env, one_thread, record_last_logits_, run_session, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
 from quant_cases import random_gguf
 
 from polyfuse.core import registry
@@ -261,20 +261,12 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
         monkeypatch.setattr(ga8, "ENABLED", name == "a8")
-        logits = steps[name] = []
         if name == "a8":
             for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
                 setattr(model.kernels, op, registry.bound(op, "gemv_q"))
         else:
             emulate_int8_activations_(model)
-        forward = model.forward
-
-        def record(*a, _forward=forward, _logits=logits, **k):
-            out = _forward(*a, **k)
-            _logits.append(out.logits[:, -1].clone())
-            return out
-
-        model.forward = record
+        steps[name] = record_last_logits_(model)
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
     # 3 one-row steps x 2 layers x (q/k/v, o, gate/up, down)
     assert sorted(set(calls)) == ["gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q8_0"] and len(calls) == 3 * 2 * 4
@@ -307,7 +299,6 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
     runs, steps = {}, {}
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-        logits = steps[name] = []
         if name == "a8":
             k = model.kernels
             k.linear_q = registry.bound("linear_q", "gemm_q")
@@ -321,14 +312,7 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
             k.add_rms_norm_linear_q = norm_linear
         else:
             emulate_int8_activations_(model)
-        forward = model.forward
-
-        def record(*a, _forward=forward, _logits=logits, **k):
-            out = _forward(*a, **k)
-            _logits.append(out.logits[:, -1].clone())
-            return out
-
-        model.forward = record
+        steps[name] = record_last_logits_(model)
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
     # (the prompt's 10 rows + 3 steps of 2) x 2 layers x (q/k/v, o, gate/up, down)
     assert sorted(calls) == sorted([10] * 8 + [2] * 24), calls

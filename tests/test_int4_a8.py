@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
+from helpers import one_thread, record_last_logits_, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 from quant_cases import act_order, quantized
 
 from polyfuse.core import registry
@@ -196,20 +196,12 @@ def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int4")
         monkeypatch.setattr(a8, "ENABLED", name == "a8")
-        logits = steps[name] = []
         if name == "a8":
             for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
                 setattr(model.kernels, op, registry.bound(op, "gemv_q"))
         else:  # the native kernels (this CPU run's), every int4 projection fed int8 activations
             emulate_int8_activations_(model)
-        forward = model.forward
-
-        def record(*a, _forward=forward, _logits=logits, **k):
-            out = _forward(*a, **k)
-            _logits.append(out.logits[:, -1].clone())
-            return out
-
-        model.forward = record
+        steps[name] = record_last_logits_(model)
         runs[name] = model.generate(ids, max_new_tokens=5, ignore_eos=True)
     assert len(calls) == 4 * 4 * 2  # 4 one-row steps x (q/k/v, o, gate/up, down) x 2 layers, all on W4A8
     assert torch.equal(runs["a8"], runs["emulated"])
