@@ -48,6 +48,9 @@ class Forward:
     cache: Any = None  # StaticKVCache, or None for a cache-less forward
     cache_position: Optional[torch.Tensor] = None
     kv_len: Optional[int] = None
+    # A cached step of several tokens: the metadata of the last query alone, by sliding window (the last layer then
+    # runs attention for that query and its o / MLP on that row only: ``DecoderLayer.forward``'s ``last``)
+    last_metas: Optional[dict] = None
 
 
 class RMSNorm(nn.Module):
@@ -185,16 +188,21 @@ class Attention(nn.Module):
             v.view(b, n, self.n_kv, self.head_dim),
         )
 
-    def forward(self, x, f: Forward, qkv=None):
+    def forward(self, x, f: Forward, qkv=None, last: bool = False):
+        """``last``: every position's keys and values go to the cache, but only the last query attends (its output
+        [B, 1, H]; a cached step's last layer, whose other rows no logit reads)."""
         b, n = (x if qkv is None else qkv).shape[:2]
         q, k, v = (t.transpose(1, 2) for t in self.heads(x, f, qkv))
+        meta = f.metas[self.window]
         if f.cache is None:
             q, k = f.ops.rotary(q, k, f.cos, f.sin)
         else:
             kc, vc = f.cache.k[self.layer_idx], f.cache.v[self.layer_idx]
             q = f.ops.rotary_kv_write(q, k, v, f.cos, f.sin, kc, vc, f.cache_position)
             k, v = kc[:, :, : f.kv_len], vc[:, :, : f.kv_len]
-        out = f.ops.attention(q, k, v, f.metas[self.window])
+            if last:
+                q, n, meta = q[:, :, -1:], 1, f.last_metas[self.window]
+        out = f.ops.attention(q, k, v, meta)
         out = project(f, self.o_proj, out.transpose(1, 2).reshape(b, n, self.q_size))
         return out if self.group is None else f.ops.all_reduce(out, self.group)  # row-parallel o_proj
 
@@ -238,16 +246,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, pending, residual, f: Forward, stream: bool = False):
+    def forward(self, pending, residual, f: Forward, stream: bool = False, last: bool = False):
         """``pending`` is the previous block's output not yet added to ``residual`` (None before layer 0); returns the
         pair for the next layer. ``stream=True``: ``pending`` is the whole residual stream and the next one is returned
         (``block``), the activation-checkpointing form. Both go through the module's call, so hooks on the layer
-        (FSDP2's unshard/reshard) run either way."""
+        (FSDP2's unshard/reshard) run either way. ``last`` (a cached step's last layer, ``f.last_metas`` set): the
+        cache gets every position's keys and values, the rest runs on the last position only (returns [B, 1, H])."""
         if stream:
             return self.block(pending, f)
         attn, mlp = self.self_attn, self.mlp
         h, qkv, residual = normed_projection(f, self.input_layernorm, pending, residual, attn.qkv_proj, attn.parts())
-        h = attn(h, f, qkv=qkv)
+        h = attn(h, f, qkv=qkv, last=last)
+        if last:
+            residual = residual[:, -1:]
         norm = self.post_attention_layernorm
         h, gate_up, residual = normed_projection(f, norm, h, residual, mlp.gate_up_proj, mlp.parts())
         return mlp(h, f, gate_up=gate_up), residual
@@ -284,6 +295,10 @@ class DecoderForCausalLM(nn.Module):
     # (TRANSFORMER_BASED_WRAP's default ``transformer_layer_cls_to_wrap``) and where the final norm lives.
     _no_split_modules = ["DecoderLayer"]
     base_model_prefix = "model"
+    # A cached step of several tokens (the prefill) runs its last layer's attention for the last query and that
+    # layer's o projection and MLP on the last row only: the logits read no other row (llama.cpp skips them the same
+    # way). False: every row, as a cache-less forward does (tests compare the two).
+    prune_last_layer = True
 
     def __init__(self, config, tp=None):
         super().__init__()
@@ -457,10 +472,11 @@ class DecoderForCausalLM(nn.Module):
             for layer in m.layers:
                 x = torch.utils.checkpoint.checkpoint(layer, x, None, f, stream=True, use_reentrant=False)
             return m.norm(x, f)
-        for layer in m.layers:
+        final = len(m.layers) - 1 if (last and f.last_metas is not None) else -1
+        for i, layer in enumerate(m.layers):
             if hook is not None:
                 hook()
-            pending, residual = layer(pending, residual, f)
+            pending, residual = layer(pending, residual, f, last=True) if i == final else layer(pending, residual, f)
         if last:
             pending, residual = pending[:, -1:], (residual[:, -1:] if residual is not None else None)
         return m.norm(pending, f, residual)
@@ -502,12 +518,23 @@ class DecoderForCausalLM(nn.Module):
         return self.model.rotary_emb.update_length(length)
 
     def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
-        metas = self.make_metas(input_ids.shape[1], key_mask, cache_position, kv_len, cached=True)
+        n = input_ids.shape[1]
+        metas = self.make_metas(n, key_mask, cache_position, kv_len, cached=True)
         f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
+        if n > 1 and self.prune_last_layer:
+            f.last_metas = self.last_query_metas(input_ids.shape[0], key_mask, cache_position, kv_len)
         h = self.hidden_states(input_ids, position_ids, f, last=True)
         if self.vocab is not None:
             return self.vocab_parallel_logits(h[:, -1])
         return self.head_logits(h[:, -1])
+
+    def last_query_metas(self, batch: int, key_mask, cache_position, kv_len: int) -> dict:
+        """The attention metadata of a step's last query alone, by sliding window: a one-query step at the last
+        cache slot (what a decode step passes), over every key of the cache up to ``kv_len``; no ``key_mask`` (no
+        padding) marks every key real. Prompts are left-padded, so the last position is real in every row."""
+        if key_mask is None:
+            key_mask = torch.ones(batch, kv_len, dtype=torch.bool, device=cache_position.device)
+        return {w: self._meta(1, key_mask, cache_position[-1:], kv_len, True, w) for w in self.windows}
 
     def head_logits(self, h) -> torch.Tensor:
         """The LM head on ``h``: the ``linear`` ops, or ``linear_q`` where the head is packed (--quant_lm_head)."""
