@@ -123,7 +123,14 @@ def quant_label(args, batch: int, device) -> str:
         args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
     )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
     a8 = a8 and batch == 1 and torch.device(device).type == "cuda"
-    return args.quant + ("+lm_head" if args.quant_lm_head else "") + ("+a8" if a8 else "")
+    head = (
+        ""
+        if not args.quant_lm_head
+        else "+lm_head"
+        if args.head_format == args.quant
+        else f"+lm_head:{args.head_format}"
+    )
+    return args.quant + head + ("+a8" if a8 else "")
 
 
 def bench_polyfuse(model, batch, prompt_len, new_tokens, device):
@@ -266,7 +273,15 @@ def main():
         help="polyfuse's projections quantized (random weights; gguf_*: llama.cpp's blocks, round to nearest); the "
         "transformers peer runs torchao int8 weight-only",
     )
-    p.add_argument("--quant_lm_head", action="store_true", help="with --quant: the LM head quantized too")
+    p.add_argument(
+        "--quant_lm_head",
+        nargs="?",
+        const="same",
+        default=None,
+        metavar="FORMAT",
+        help="with --quant: the LM head quantized too, in --quant's format or (with a GGUF type) in FORMAT, e.g. "
+        "--quant gguf_q4_k --quant_lm_head gguf_q6_k as a Q4_K_M file holds it",
+    )
     p.add_argument(
         "--tp", type=int, default=1, help="tensor parallel over N ranks: run under torchrun --nproc-per-node N"
     )
@@ -279,10 +294,17 @@ def main():
     if args.quant_lm_head and not args.quant:
         print("benchmark_generation.py: error: --quant_lm_head: needs --quant", file=sys.stderr)
         sys.exit(2)
-    if args.quant and args.quant.startswith("gguf_") and (args.quant_lm_head or (args.tp > 1 and args.load)):
-        print(f"benchmark_generation.py: error: --quant {args.quant}: random weights only (no --quant_lm_head, no "
-              "--tp --load from a checkpoint)", file=sys.stderr)  # fmt: skip
+    if args.quant and args.quant.startswith("gguf_") and args.tp > 1 and args.load:
+        print(f"benchmark_generation.py: error: --quant {args.quant}: random weights only (no --tp --load from a "
+              "checkpoint)", file=sys.stderr)  # fmt: skip
         sys.exit(2)
+    if args.quant_lm_head not in (None, "same") and not (
+        args.quant.startswith("gguf_") and args.quant_lm_head in GGUF_BYTES
+    ):
+        print(f"benchmark_generation.py: error: --quant_lm_head {args.quant_lm_head}: a format of its own only for a "
+              f"GGUF --quant, one of {', '.join(GGUF_BYTES)}", file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    args.head_format = args.quant if args.quant_lm_head == "same" else args.quant_lm_head
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -313,8 +335,8 @@ def main():
         model = AutoModelForCausalLM.from_config(
             cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
         )
-        if args.quant_lm_head:
-            quantize_lm_head_(model, args.quant)
+        if args.head_format:
+            quantize_lm_head_(model, args.head_format)
         model.eval()
         wb = weight_bytes(model)
         wb_read = weight_bytes(model, exclude_embedding=True)
@@ -539,8 +561,8 @@ def bench_tp(args, device, dtype, flags, out) -> None:
             model = AutoModelForCausalLM.from_config(
                 cfg, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=args.quant
             )
-        if args.quant_lm_head:
-            quantize_lm_head_(model, args.quant)
+        if args.head_format:
+            quantize_lm_head_(model, args.head_format)
         if cuda:
             torch.cuda.synchronize(device)
         ranks = gather(tp, dict(build_s=round(time.perf_counter() - t0, 2), shard_GB=gb(weight_bytes(model)),

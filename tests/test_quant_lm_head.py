@@ -76,7 +76,7 @@ def test_refusals_the_loss_and_the_format_that_cannot_pack(tiny_dir, caplog):
     with pytest.raises(ValueError, match="give the format"):
         qz.quantize_lm_head_(model)  # nothing quantized: which format?
     with pytest.raises(ValueError, match="choose one of"):
-        qz.quantize_lm_head_(model, "gguf_q4_0")
+        qz.quantize_lm_head_(model, "q4_0")
     qz.quantize_lm_head_(model, "int8")
     with torch.no_grad():  # the loss (perplexity) from the packed head's logits, not the fused float-head loss
         loss = model(IDS, labels=IDS).loss
@@ -131,3 +131,17 @@ def test_quantizing_after_a_generate_drops_the_steppers(tiny_dir):
     assert model in generation._STEPPERS
     qz.quantize_lm_head_(model)
     assert model not in generation._STEPPERS
+
+
+@pytest.mark.parametrize("fmt", ["gguf_q6_k", "gguf_q4_0"])
+def test_head_in_a_gguf_type(fmt):
+    """quantize_lm_head_ in a GGUF type (benchmark_generation.py --quant gguf_q4_k --quant_lm_head gguf_q6_k): the
+    head packed in llama.cpp's blocks by round to nearest computes what its dequantized blocks do as a float head."""
+    model = LlamaForCausalLM.from_config(tiny_config(hidden_size=256, vocab_size=304), seed=3)
+    dense = LlamaForCausalLM.from_config(tiny_config(hidden_size=256, vocab_size=304), seed=3)
+    assert qz.quantize_lm_head_(model, fmt) and model.lm_head.format == fmt
+    with torch.no_grad():
+        blocks = qf.dequantize(model.lm_head.quantized_weight(), torch.float32)
+        assert (blocks - dense.lm_head.weight).abs().max() > 0  # rounded: not the float head
+        dense.lm_head.weight.copy_(blocks)
+    torch.testing.assert_close(logits(model), logits(dense), rtol=1e-5, atol=1e-5)

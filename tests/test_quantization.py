@@ -709,6 +709,51 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
     assert not quantized_modules(floats) and rel(logits(floats), want) < 1e-5
 
 
+@pytest.mark.parametrize("head_type", ["Q6_K", "Q8_0"])
+def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
+    """A GGUF's own output.weight (untied) in a kept type is the LM head as stored (a Q4_K_M file's Q6_K head: 0.43
+    against 1.05 GB of bf16 read per token for Llama 3), computed as the dequantized head; greedy tokens equal; a
+    save loads back with the head packed, and dequantized with quant="none"; a head in a type without a kernel, or a
+    float one, loads as floats (no warning: the head is never quantized unasked)."""
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=301)  # fmt: skip
+    model = LlamaForCausalLM.from_config(cfg, seed=7)
+    types = {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q4_K", "gate_proj": "Q4_K",
+             "up_proj": "Q4_K", "down_proj": "Q6_K"}  # fmt: skip
+    write_tiny_gguf(tmp_path / "tiny.gguf", model, {**types, "lm_head": head_type})
+    dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    assert not isinstance(dense.lm_head, QLinear)
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert isinstance(kept.lm_head, QLinear) and kept.lm_head.format == qf.GGUF_TYPES[head_type]
+    head = qf.dequantize(kept.lm_head.quantized_weight(), torch.float32)
+    torch.testing.assert_close(head, dense.lm_head.weight, rtol=0, atol=0)  # the stored blocks, exactly
+    want = logits(dense)
+    assert rel(logits(kept), want) < 1e-5
+    ids = torch.tensor([[5, 17, 9, 42]])
+    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
+    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    kept.save_pretrained(tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["formats"]["lm_head"] == qf.GGUF_TYPES[head_type]
+    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert isinstance(back.lm_head, QLinear) and torch.equal(logits(back), logits(kept))
+    floats = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), quant="none")
+    assert not isinstance(floats.lm_head, QLinear) and rel(logits(floats), want) < 1e-5
+    for other in ("Q5_0", None):  # no kernel for Q5_0; None: written as float32
+        path = tmp_path / f"other_{other}"
+        path.mkdir()
+        write_tiny_gguf(path / "tiny.gguf", model, {**types, **({"lm_head": other} if other else {})})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="polyfuse"):
+            plain = LlamaForCausalLM.from_pretrained(str(path), gguf_file="tiny.gguf", quant="gguf")
+        assert (
+            not isinstance(plain.lm_head, QLinear) and len(quantized_modules(plain)) == 5
+        )  # q/k + v, o, gate/up, down
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
 def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
     """q/k/v, o and gate/up Q5_K, down Q6_K: every projection kept (q/k/v fused in one Q5_K weight), no warning, the
     dequantized model's logits and greedy tokens. (A real Q5_K_M file also gives v Q6_K in some layers: their q/k/v

@@ -260,6 +260,9 @@ class QuantSetup:
         self.shards = tp_shards(model)[0]
         head = model.get_output_embeddings()
         packed_head = any(f"lm_head.{c}" in self.ckpt.keys for c in ("qweight", "weight_scale"))
+        # a GGUF's own output.weight (untied) in a type whose blocks are kept: kept as the projections are
+        packed_head = packed_head or (self.keep_gguf and self.ckpt.kind == "gguf" and self.request != "none"
+                                      and self.ckpt.gguf_types.get("lm_head.weight") in GGUF_TYPES)  # fmt: skip
         extra = [("lm_head", head)] if packed_head else []  # --quant none: staged, dequantized into the float head
         if packed_head and model.config.tie_word_embeddings:  # the checkpoint's head is its own: untie before loading
             logger.warning("warning: tie_word_embeddings is true but the checkpoint holds a packed lm_head; untying "
@@ -621,8 +624,8 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
                 + (", ".join(sorted(fmts)) if fmts else "not quantized") + "): use it with --quant fp8|fp8_block|int8|int4"
             )  # fmt: skip
         fmt = fmts.pop()
-    if fmt not in LOAD_TIME_FORMATS:
-        raise ValueError(f"--quant_lm_head: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
+    if fmt not in LOAD_TIME_FORMATS and fmt not in GGUF_BYTES:  # GGUF types: llama.cpp's blocks, round to nearest
+        raise ValueError(f"--quant_lm_head: choose one of {', '.join((*LOAD_TIME_FORMATS, *GGUF_BYTES))}, not {fmt!r}")
     groups = {q.group_size for q in quantized_modules(model).values() if q.format == fmt and q.group_size}
     group = groups.pop() if len(groups) == 1 else INT4_GROUP  # the projections' group: a GPTQ save stays GPTQ
     why = cannot_pack(fmt, head.in_features, (head.out_features,))
