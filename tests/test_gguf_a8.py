@@ -151,9 +151,10 @@ def test_rows_against_the_reference(device, fmt):
 
 def test_rows_dispatch(monkeypatch):
     """gemm_q (quant_gemm.py) runs 2..MAX_ROWS rows of a GGUF weight kept as stored on int8 activations (SwiGLU's
-    too, in the quantize kernel), with the multi-row GEMV's numbers; Q4_1 / Q4_K rows past them (or with the switch
-    off) go to the dequantizing GEMM (gemm_gguf.py) up to 32 rows, with its numbers; one row, more rows, and other
-    types' rows the A8 GEMV does not take (Q8_0 of an odd number of blocks) are declined (to dequantize + cuBLAS)."""
+    too, in the quantize kernel), with the multi-row GEMV's numbers; Q4_0 / Q4_1 / Q8_0 / Q4_K rows past them (or
+    rows the A8 GEMV does not take: Q8_0 of an odd number of blocks) go to the dequantizing GEMM (gemm_gguf.py) up to
+    quant_gemm.GGUF_GEMM's rows, with its numbers; one row, more rows, and Q5_K / Q6_K past the A8 GEMV are declined
+    (to dequantize + cuBLAS)."""
     from polyfuse.backends.triton import quant_gemm
     from polyfuse.backends.triton.gemm_gguf import gemm_gguf
     from polyfuse.backends.triton.swiglu import swiglu_forward
@@ -162,10 +163,15 @@ def test_rows_dispatch(monkeypatch):
     x = torch.randn(2, 3, 512)
     assert quant_gemm.accepts_linear_q(x, qw) is None
     assert quant_gemm.accepts_linear_q(torch.randn(1, 1, 512), qw) is not None
-    assert quant_gemm.accepts_linear_q(torch.randn(quant_gemm.GGUF_GEMM_MAX_ROWS + 1, 512), qw) is not None
+    assert quant_gemm.accepts_linear_q(torch.randn(quant_gemm.GGUF_GEMM["gguf_q4_1"] + 1, 512), qw) is not None
     assert quant_gemm.accepts_swiglu_linear_q(x, x, qw) is None
-    q8 = qf.quantize("gguf_q8_0", torch.randn(48, 480))
-    assert quant_gemm.accepts_linear_q(torch.randn(2, 480), q8) is not None
+    q8 = qf.quantize("gguf_q8_0", torch.randn(48, 480))  # 15 blocks a row: the A8 GEMV reads Q8_0 blocks by pairs
+    assert (
+        not ga8.accepts_rows(torch.randn(2, 480), q8) and quant_gemm.accepts_linear_q(torch.randn(2, 480), q8) is None
+    )
+    assert "more than 32 rows" in quant_gemm.accepts_linear_q(torch.randn(33, 480), q8)
+    q5 = qf.quantize("gguf_q5_k", torch.randn(48, 512))
+    assert "GEMM" in quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q5)  # measured slower
     q6 = qf.quantize("gguf_q6_k", torch.randn(48, 512))
     assert quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q6) is not None
     many = torch.randn(ga8.MAX_ROWS + 1, 512)
@@ -268,8 +274,9 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
             emulate_int8_activations_(model)
         steps[name] = record_last_logits_(model)
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
-    # 3 one-row steps x 2 layers x (q/k/v, o, gate/up, down)
-    assert sorted(set(calls)) == ["gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q8_0"] and len(calls) == 3 * 2 * 4
+    # 3 one-row steps x 2 layers x (q/k/v, o, gate/up, down), and the prompt's last layer past q/k/v: o, gate/up and
+    # down on its last row only (models/decoder.py prune_last_layer)
+    assert sorted(set(calls)) == ["gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q8_0"] and len(calls) == 3 * 2 * 4 + 3
     assert torch.equal(runs["a8"], runs["emulated"])
     for got, want in list(zip(steps["a8"], steps["emulated"]))[1:]:
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()
@@ -314,8 +321,9 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
             emulate_int8_activations_(model)
         steps[name] = record_last_logits_(model)
         runs[name] = model.generate(ids, max_new_tokens=4, ignore_eos=True)
-    # (the prompt's 10 rows + 3 steps of 2) x 2 layers x (q/k/v, o, gate/up, down)
-    assert sorted(calls) == sorted([10] * 8 + [2] * 24), calls
+    # (the prompt's 10 rows + 3 steps of 2) x 2 layers x (q/k/v, o, gate/up, down); the prompt's last layer runs o,
+    # gate/up and down on each sequence's last row (2 rows: models/decoder.py prune_last_layer)
+    assert sorted(calls) == sorted([10] * 5 + [2] * 3 + [2] * 24), calls
     assert torch.equal(runs["a8"], runs["emulated"])
     for got, want in zip(steps["a8"], steps["emulated"]):
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()

@@ -407,7 +407,7 @@ def recording_kernels(calls):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_which_implementation_takes_which_rows(dtype):
     """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); GGUF 2..8 rows: gemm_q's
-    int8-activation GEMV (SwiGLU in its quantize kernel), Q4_1 up to 32 rows gemm_q's GGUF GEMM; more rows (fp8_block:
+    int8-activation GEMV (SwiGLU in its quantize kernel), Q4_0 / Q4_1 up to 64 rows gemm_q's GGUF GEMM; more rows (fp8_block:
     from 2): linear_q's dequantize kernel + F.linear (int4 / int8 / fp8_block / GGUF, fp8 in float32), and for
     swiglu_linear_q its composite (swiglu, then linear_q's same chain); fp8 with more than 64 bf16 rows: each op's
     own fp8_scaled_mm (swiglu_linear_q's with SwiGLU in its activation quantization, not the composite's linear_q). Calls are recorded as "op:implementation" (linear_q's: the name), so a
@@ -428,7 +428,7 @@ def test_which_implementation_takes_which_rows(dtype):
                 want = "gemv_q"
             elif fmt in ("int4", "int8", "fp8") and m <= 64:
                 want = "gemm_q"
-            elif fmt.startswith("gguf") and (m <= 8 or (fmt == "gguf_q4_1" and m <= 32)):
+            elif fmt.startswith("gguf") and m <= 64:  # Q4_0 / Q4_1: the A8 GEMV to 8 rows, then the GGUF GEMM
                 want = "gemm_q"
             elif fmt in ("int4", "int8", "fp8_block", "gguf_q4_0", "gguf_q4_1") or (
                 fmt == "fp8" and dtype != torch.bfloat16

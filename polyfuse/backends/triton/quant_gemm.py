@@ -4,8 +4,8 @@ and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU f
 GGUF types kept as stored: 2..gemv_gguf_a8.MAX_ROWS (8) rows with the int8-activation path on (POLYFUSE_GGUF_A8): the
 rows quantized to int8 in blocks of 32 (SwiGLU in that kernel), then the GGUF GEMV with every launch reading the
 weight once for up to 8 rows (gemv_gguf_a8.py / gemv_kquant_a8.py), as llama.cpp's mul_mat_vec_q for a few columns;
-more rows (or the path off), up to GGUF_GEMM_MAX_ROWS of Q4_1 / Q4_K: gemm_gguf.py, the blocks dequantized in the
-loads and multiplied on the tensor cores.
+more rows (or the path off), up to GGUF_GEMM's rows for Q4_0 / Q4_1 (64), Q8_0 / Q4_K (32): gemm_gguf.py, the
+blocks dequantized in the loads and multiplied on the tensor cores.
 
 It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
@@ -25,11 +25,13 @@ from polyfuse.backends.triton.quant_gemv import kernel_refusal
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
-# GGUF types whose dequantizing GEMM (gemm_gguf.py) beat dequantize + cuBLAS on one H200 (session 21, 8B projections:
-# per layer at 16 rows Q4_1 220 against 325 us, Q4_K 233 against 281; at 32 rows 235 / 257; at 64 rows it lost, and
-# Q6_K lost at every row count: its scattered loads), and the rows it takes; the other types' rows past the
-# int8-activation GEMV go to dequant_mm.py (Q4_0 / Q5_K / Q8_0: not measured).
-GGUF_GEMM, GGUF_GEMM_MAX_ROWS = ("gguf_q4_1", "gguf_q4_k"), 32
+# GGUF types whose dequantizing GEMM (gemm_gguf.py) beat dequantize + cuBLAS on one H200, and the most rows it takes
+# for each: per 8B layer (the four projections; CUDA graphs of calls over 4 weight copies; session 22, us) gemm_gguf
+# against dequant_mm at 16 / 32 / 64 rows: Q4_0 286 / 310 / 339 against 359 / 361 / 364; Q4_1 220 / 236 / 299 against
+# 322 / 324 / 328; Q8_0 249 / 312 / 444 against 354 / 356 / 360; Q4_K 233 / 254 / 318 against 279 / 282 / 284. Q5_K
+# (337 against 287 at 16) and Q6_K (662 against 327: its scattered loads) lost at every count: their rows past the
+# int8-activation GEMV go to dequant_mm.py.
+GGUF_GEMM = {"gguf_q4_0": 64, "gguf_q4_1": 64, "gguf_q8_0": 32, "gguf_q4_k": 32}
 FORMATS = ("int4", "int8", "fp8", *GGUF_GEMM)
 # Rows the GEMM takes: all rows of a decode batch fit one BLOCK_M <= 64 tile (the weight is read once per call).
 # Where dequantize + cuBLAS overtakes it is for the GPU to say (benchmark_linear.py --quant --rows 64,128,256):
@@ -48,8 +50,8 @@ def _refusal(x: torch.Tensor, qweight, bias) -> Optional[str]:
         return "one row (the GEMV's)" if m == 1 else "no rows"
     if m > MAX_ROWS:
         return f"more than {MAX_ROWS} rows"
-    if qweight.format in GGUF_GEMM and m > GGUF_GEMM_MAX_ROWS:
-        return f"GGUF: more than {GGUF_GEMM_MAX_ROWS} rows (dequantize + cuBLAS is faster, measured)"
+    if qweight.format in GGUF_GEMM and m > GGUF_GEMM[qweight.format]:
+        return f"GGUF: more than {GGUF_GEMM[qweight.format]} rows (dequantize + cuBLAS is faster, measured)"
     return kernel_refusal(x, qweight, bias, FORMATS, "GEMM")
 
 
