@@ -711,10 +711,11 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
 
 @pytest.mark.parametrize("head_type", ["Q6_K", "Q8_0"])
 def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
-    """A GGUF's own output.weight (untied) in a kept type is the LM head as stored (a Q4_K_M file's Q6_K head: 0.43
-    against 1.05 GB of bf16 read per token for Llama 3), computed as the dequantized head; greedy tokens equal; a
-    save loads back with the head packed, and dequantized with quant="none"; a head in a type without a kernel, or a
-    float one, loads as floats (no warning: the head is never quantized unasked)."""
+    """quant_lm_head=True (--quant_lm_head): a GGUF's own output.weight (untied) in a kept type is the LM head as
+    stored (a Q4_K_M file's Q6_K head: 0.43 against 1.05 GB of bf16 read per token for Llama 3), computed as the
+    dequantized head; greedy tokens equal; a save loads back with the head packed, and dequantized with
+    quant="none". Unasked, or in a type without a kernel, or in a float type, the head loads as floats (no
+    warning)."""
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     model = LlamaForCausalLM.from_config(cfg, seed=7)
@@ -723,8 +724,10 @@ def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
     write_tiny_gguf(tmp_path / "tiny.gguf", model, {**types, "lm_head": head_type})
     dense = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
     assert not isinstance(dense.lm_head, QLinear)
+    unasked = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+    assert not isinstance(unasked.lm_head, QLinear) and len(quantized_modules(unasked)) == 5
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
-        kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
+        kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf", quant_lm_head=True)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     assert isinstance(kept.lm_head, QLinear) and kept.lm_head.format == qf.GGUF_TYPES[head_type]
     head = qf.dequantize(kept.lm_head.quantized_weight(), torch.float32)
@@ -747,7 +750,9 @@ def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
         write_tiny_gguf(path / "tiny.gguf", model, {**types, **({"lm_head": other} if other else {})})
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="polyfuse"):
-            plain = LlamaForCausalLM.from_pretrained(str(path), gguf_file="tiny.gguf", quant="gguf")
+            plain = LlamaForCausalLM.from_pretrained(
+                str(path), gguf_file="tiny.gguf", quant="gguf", quant_lm_head=True
+            )
         assert (
             not isinstance(plain.lm_head, QLinear) and len(quantized_modules(plain)) == 5
         )  # q/k + v, o, gate/up, down

@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant_lm_head",
         action="store_true",
         help="quantize the LM head too (after loading, in the format of --quant or of the checkpoint's projections; "
-        "a tied head is untied, the input embedding keeps its dtype): ~5%% faster batch-1 decode for Llama-3-8B",
+        "a tied head is untied, the input embedding keeps its dtype): ~5%% faster batch-1 decode for Llama-3-8B; a "
+        "GGUF whose projections stay quantized keeps its own output.weight's blocks as stored (Q8_0 ... Q6_K)",
     )
     g.add_argument(
         "--quant_calibration",

@@ -320,7 +320,7 @@ def load(args, device, flags):
     with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
-            **progress,
+            quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False)), **progress,
         )  # fmt: skip
     if calibration:
         gptq_quantize(model, args.quant, windows)

@@ -252,17 +252,19 @@ def from_pretrained(
     tp=None,
     quant: Optional[str] = None,
     progress=None,
+    quant_lm_head: bool = False,
 ):
     """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
     Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
-    GGUF's tensors stay quantized where a kernel takes them (engine/quantize.py)."""
+    GGUF's tensors stay quantized where a kernel takes them (engine/quantize.py). ``quant_lm_head``: a GGUF's own
+    output.weight in such a type is kept as stored too, as the LM head (otherwise it is dequantized)."""
     t0 = time.perf_counter()
     dtype = dtype_of(dtype) or torch.float32
     raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)
     config = model_cls.config_for(raw, where)
     tp = for_build(device, tp, training)
     gguf = _gguf_path(path, gguf_file) if gguf_file is not None else None
-    qsetup = quantize.setup(quant, raw, path, gguf, device, dtype, flags, overrides, training, where)
+    qsetup = quantize.setup(quant, raw, path, gguf, device, dtype, flags, overrides, training, where, quant_lm_head)
     try:
         model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
         with torch.no_grad():

@@ -137,6 +137,7 @@ class QuantSetup:
         self.shards: dict = {}  # tensor parallelism: {checkpoint fragment: Shard} of this rank (engine/shards.py)
         self.lock = threading.Lock()
         self.random = False  # for_random_weights: also the GGUF types, packed by round to nearest
+        self.keep_head = False  # a GGUF's own output.weight kept as stored (quant_lm_head)
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -260,8 +261,8 @@ class QuantSetup:
         self.shards = tp_shards(model)[0]
         head = model.get_output_embeddings()
         packed_head = any(f"lm_head.{c}" in self.ckpt.keys for c in ("qweight", "weight_scale"))
-        # a GGUF's own output.weight (untied) in a type whose blocks are kept: kept as the projections are
-        packed_head = packed_head or (self.keep_gguf and self.ckpt.kind == "gguf" and self.request != "none"
+        # asked for (quant_lm_head): a GGUF's own output.weight (untied) in a kept type, kept as the projections are
+        packed_head = packed_head or (self.keep_head and self.keep_gguf and self.ckpt.kind == "gguf"
                                       and self.ckpt.gguf_types.get("lm_head.weight") in GGUF_TYPES)  # fmt: skip
         extra = [("lm_head", head)] if packed_head else []  # --quant none: staged, dequantized into the float head
         if packed_head and model.config.tie_word_embeddings:  # the checkpoint's head is its own: untie before loading
@@ -472,8 +473,9 @@ def _starts(parts) -> list[int]:
 
 
 def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags=None, overrides="", training=False,
-          where: str = "checkpoint") -> Optional[QuantSetup]:  # fmt: skip
-    """The load's QuantSetup, or None when no projection can end up quantized (a float checkpoint, no --quant)."""
+          where: str = "checkpoint", keep_gguf_head: bool = False) -> Optional[QuantSetup]:  # fmt: skip
+    """The load's QuantSetup, or None when no projection can end up quantized (a float checkpoint, no --quant).
+    ``keep_gguf_head`` (``quant_lm_head``): a GGUF's own output.weight in a kept type stays as stored too."""
     from polyfuse.core.context import SelectionContext
 
     if quant in ("", "auto"):
@@ -498,7 +500,9 @@ def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags
         quant = None  # already in the requested format: loaded as stored
     if ckpt.kind == "dense" and quant not in LOAD_TIME_FORMATS:
         return None
-    return QuantSetup(quant, ckpt, quant == "gguf", device, dtype)
+    qsetup = QuantSetup(quant, ckpt, quant == "gguf", device, dtype)
+    qsetup.keep_head = keep_gguf_head
+    return qsetup
 
 
 def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSetup]:
@@ -618,6 +622,12 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
         return True
     if fmt is None:
         fmts = {q.format for q in quantized_modules(model).values()}
+        if fmts and fmts <= set(GGUF_BYTES):
+            raise ValueError(
+                "--quant_lm_head: this GGUF's head is not kept as stored (only its own output.weight in "
+                f"{'/'.join(GGUF_TYPES)} is; this one is tied to the embedding or in another type): give the format "
+                "with --quant fp8|fp8_block|int8|int4"
+            )
         if len(fmts) != 1 or not fmts <= set(LOAD_TIME_FORMATS):
             raise ValueError(
                 "--quant_lm_head: give the format (the model's projections are "

@@ -36,12 +36,13 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None, progress=None):  # fmt: skip
+                        training=False, quant=None, progress=None, quant_lm_head=False):  # fmt: skip
         model_type, where = checkpoint_model_type(path, gguf_file)
         cls = family_for(model_type, where)
         return from_pretrained(
-            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress
-        )
+            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress,
+            quant_lm_head=quant_lm_head,
+        )  # fmt: skip
 
     @staticmethod
     def from_config(config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,

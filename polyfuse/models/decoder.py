@@ -336,10 +336,11 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None, progress=None):  # fmt: skip
+                        training=False, quant=None, progress=None, quant_lm_head=False):  # fmt: skip
         return loading.from_pretrained(
-            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress
-        )
+            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress,
+            quant_lm_head=quant_lm_head,
+        )  # fmt: skip
 
     @classmethod
     def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
