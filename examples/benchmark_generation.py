@@ -298,7 +298,7 @@ def main():
         print(f"benchmark_generation.py: error: --quant {args.quant}: random weights only (no --tp --load from a "
               "checkpoint)", file=sys.stderr)  # fmt: skip
         sys.exit(2)
-    if args.quant_lm_head not in (None, "same") and not (
+    if args.quant_lm_head not in (None, "same", args.quant) and not (
         args.quant.startswith("gguf_") and args.quant_lm_head in GGUF_BYTES
     ):
         print(f"benchmark_generation.py: error: --quant_lm_head {args.quant_lm_head}: a format of its own only for a "

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         head, gptq, a8 = "lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=args.device,
-            quant="none" if gptq else None if fmt == "auto" else fmt,
+            quant="none" if gptq else None if fmt == "auto" else fmt, quant_lm_head=head and gguf is not None,
         )  # fmt: skip
         if gptq:  # the float model first: its projections' inputs on the calibration tokens
             quantize_model_(model, fmt, calibration)

@@ -710,7 +710,7 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("head_type", ["Q6_K", "Q8_0"])
-def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
+def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, monkeypatch, head_type):
     """quant_lm_head=True (--quant_lm_head): a GGUF's own output.weight (untied) in a kept type is the LM head as
     stored (a Q4_K_M file's Q6_K head: 0.43 against 1.05 GB of bf16 read per token for Llama 3), computed as the
     dequantized head; greedy tokens equal; a save loads back with the head packed, and dequantized with
@@ -726,6 +726,8 @@ def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
     assert not isinstance(dense.lm_head, QLinear)
     unasked = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
     assert not isinstance(unasked.lm_head, QLinear) and len(quantized_modules(unasked)) == 5
+    with pytest.raises(ValueError, match="loaded with quant_lm_head=True"):  # packing it afterwards: which format?
+        qz.quantize_lm_head_(unasked)
     with caplog.at_level(logging.WARNING, logger="polyfuse"):
         kept = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf", quant_lm_head=True)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
@@ -744,6 +746,12 @@ def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, head_type):
     assert isinstance(back.lm_head, QLinear) and torch.equal(logits(back), logits(kept))
     floats = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"), quant="none")
     assert not isinstance(floats.lm_head, QLinear) and rel(logits(floats), want) < 1e-5
+    from polyfuse.cli import generate as cli  # the CLI's --quant_lm_head loads it so (tokenizer aside)
+
+    argv = ["--model_name_or_path", str(tmp_path), "--gguf_file", "tiny.gguf", "--quant", "gguf", "--quant_lm_head"]
+    monkeypatch.setattr(cli, "load_cli_tokenizer", lambda *a: None)
+    loaded, _ = cli.load(cli.build_parser().parse_args(argv), torch.device("cpu"), {})
+    assert isinstance(loaded.lm_head, QLinear) and loaded.lm_head.format == qf.GGUF_TYPES[head_type]
     for other in ("Q5_0", None):  # no kernel for Q5_0; None: written as float32
         path = tmp_path / f"other_{other}"
         path.mkdir()

@@ -624,9 +624,11 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
         fmts = {q.format for q in quantized_modules(model).values()}
         if fmts and fmts <= set(GGUF_BYTES):
             raise ValueError(
-                "--quant_lm_head: this GGUF's head is not kept as stored (only its own output.weight in "
-                f"{'/'.join(GGUF_TYPES)} is; this one is tied to the embedding or in another type): give the format "
-                "with --quant fp8|fp8_block|int8|int4"
+                f"--quant_lm_head: the projections are GGUF blocks kept as stored ({', '.join(sorted(fmts))}) but the "
+                "head is not: a GGUF's head is kept only when loaded with quant_lm_head=True (as --quant_lm_head "
+                f"loads it) from a file with its own output.weight in {'/'.join(GGUF_TYPES)} (not tied to the "
+                "embedding); give a format to pack it in (--quant fp8|fp8_block|int8|int4, which packs the "
+                "projections too), or drop --quant_lm_head"
             )
         if len(fmts) != 1 or not fmts <= set(LOAD_TIME_FORMATS):
             raise ValueError(

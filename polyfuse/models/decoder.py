@@ -297,7 +297,8 @@ class DecoderForCausalLM(nn.Module):
     base_model_prefix = "model"
     # A cached step of several tokens (the prefill) runs its last layer's attention for the last query and that
     # layer's o projection and MLP on the last row only: the logits read no other row (llama.cpp skips them the same
-    # way). False: every row, as a cache-less forward does (tests compare the two).
+    # way). False: every row, as a cache-less forward does (tests compare the two). Set it before generating: a step
+    # graph captured earlier keeps its form (engine.generation.forget_steppers drops them).
     prune_last_layer = True
 
     def __init__(self, config, tp=None):

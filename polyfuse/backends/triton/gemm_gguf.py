@@ -1,6 +1,6 @@
 """Dequantizing GEMM on GGUF weights kept as stored (Q8_0 / Q4_0 / Q4_1 and the K-quants Q4_K / Q5_K / Q6_K), for a
-few rows (quant_gemm.py takes it for Q4_1 / Q4_K past the int8-activation GEMV's 8 rows, up to 32: where it was
-measured faster than dequantize + cuBLAS).
+few rows (quant_gemm.py takes it past the int8-activation GEMV's 8 rows for Q4_0 / Q4_1 up to 64 and Q8_0 / Q4_K up
+to 32: where it was measured faster than dequantize + cuBLAS; quant_gemm.GGUF_GEMM).
 
 y[M, N] = x[M, K] @ w[K, N], w[k, n] the reference's dequantized weight (quant_formats ``dequantize``). Grid (N
 tiles, M tiles, K splits) as gemm_scaled.py's: each program owns a [BLOCK_M, BLOCK_N] output tile (BLOCK_M covers a

@@ -117,8 +117,8 @@ def _gemv_gguf_a8_kernel(
 
 
 # Rows of a call that the multi-row launches take (each launch up to _qgemv.ROWS_PER_LAUNCH of them, reading the
-# weight once): more go to quant_gemm.py's other choices (Q4_1 / Q4_K: gemm_gguf.py up to 32 rows; else dequantize +
-# cuBLAS, dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
+# weight once): more go to quant_gemm.py's other choices (gemm_gguf.py: Q4_0 / Q4_1 up to 64 rows, Q8_0 / Q4_K up to
+# 32; else dequantize + cuBLAS, dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
 MAX_ROWS = int(os.environ.get("POLYFUSE_GGUF_A8_MAX_ROWS", "8"))
 
 

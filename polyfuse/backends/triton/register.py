@@ -123,7 +123,7 @@ GEMM_NOTE = (
         if GGUF_A8
         else ""
     )
-    + "; gguf_q4_1/q4_k, up to 32 rows: Triton GEMM dequantizing the blocks in its loads"
+    + "; gguf_q4_0/q4_1 up to 64 rows, gguf_q8_0/q4_k up to 32: Triton GEMM dequantizing the blocks in its loads"
 )
 BLOCK_MM_NOTE = (
     "fp8_block, bf16, 2+ rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
