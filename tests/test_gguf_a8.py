@@ -170,6 +170,10 @@ def test_rows_dispatch(monkeypatch):
         not ga8.accepts_rows(torch.randn(2, 480), q8) and quant_gemm.accepts_linear_q(torch.randn(2, 480), q8) is None
     )
     assert "more than 32 rows" in quant_gemm.accepts_linear_q(torch.randn(33, 480), q8)
+    q4k = qf.quantize("gguf_q4_k", torch.randn(48, 512))
+    assert quant_gemm.accepts_linear_q(torch.randn(32, 512), q4k) is None
+    assert "more than 32 rows" in quant_gemm.accepts_linear_q(torch.randn(33, 512), q4k)
+    assert quant_gemm.accepts_linear_q(torch.randn(64, 512), qw) is None  # Q4_1: to 64
     q5 = qf.quantize("gguf_q5_k", torch.randn(48, 512))
     assert "GEMM" in quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q5)  # measured slower
     q6 = qf.quantize("gguf_q6_k", torch.randn(48, 512))
