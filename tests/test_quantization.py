@@ -396,6 +396,17 @@ def logits(model):
         return model(IDS).logits
 
 
+def assert_computes_as(kept, dense) -> torch.Tensor:
+    """A model kept quantized computes what its dequantized twin does: logits within 1e-5 (relative norm) and the same
+    greedy tokens; returns the twin's logits."""
+    want = logits(dense)
+    assert rel(logits(kept), want) < 1e-5
+    ids = torch.tensor([[5, 17, 9, 42]])
+    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
+    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    return want
+
+
 def packed_state(model) -> dict:
     return {name: t.clone() for name, t in qz.quantized_state_items(model)}
 
@@ -693,11 +704,7 @@ def test_gguf_k_quants_kept_as_a_q4_k_m_file_mixes_them(tmp_path, caplog):
                        "self_attn.o_proj": "gguf_q4_k", "mlp.gate_up_proj": "gguf_q4_k",
                        "mlp.down_proj": "gguf_q6_k"}  # fmt: skip
     assert not caplog.records, [r.getMessage() for r in caplog.records]
-    want = logits(dense)
-    assert rel(logits(kept), want) < 1e-5
-    ids = torch.tensor([[5, 17, 9, 42]])
-    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
-    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    want = assert_computes_as(kept, dense)
     kept.save_pretrained(tmp_path / "saved")
     qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert qc["formats"]["model.layers.0.self_attn.v_proj"] == "gguf_q6_k"
@@ -734,11 +741,7 @@ def test_gguf_output_weight_kept_as_the_head(tmp_path, caplog, monkeypatch, head
     assert isinstance(kept.lm_head, QLinear) and kept.lm_head.format == qf.GGUF_TYPES[head_type]
     head = qf.dequantize(kept.lm_head.quantized_weight(), torch.float32)
     torch.testing.assert_close(head, dense.lm_head.weight, rtol=0, atol=0)  # the stored blocks, exactly
-    want = logits(dense)
-    assert rel(logits(kept), want) < 1e-5
-    ids = torch.tensor([[5, 17, 9, 42]])
-    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
-    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    want = assert_computes_as(kept, dense)
     kept.save_pretrained(tmp_path / "saved")
     qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert qc["formats"]["lm_head"] == qf.GGUF_TYPES[head_type]
@@ -783,10 +786,7 @@ def test_gguf_q5_k_file_with_q6_k_down_keeps_every_projection(tmp_path, caplog):
     assert formats == {"qkv_proj": "gguf_q5_k", "o_proj": "gguf_q5_k", "gate_up_proj": "gguf_q5_k",
                        "down_proj": "gguf_q6_k"}  # fmt: skip
     assert not caplog.records, [r.getMessage() for r in caplog.records]
-    assert rel(logits(kept), logits(dense)) < 1e-5
-    ids = torch.tensor([[5, 17, 9, 42]])
-    out_kept = kept.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True)
-    assert torch.equal(out_kept, dense.generate(ids, max_new_tokens=6, do_sample=False, ignore_eos=True))
+    assert_computes_as(kept, dense)
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q5_k", "gguf_q4_0"])
