@@ -123,14 +123,8 @@ def quant_label(args, batch: int, device) -> str:
         args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
     )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
     a8 = a8 and batch == 1 and torch.device(device).type == "cuda"
-    head = (
-        ""
-        if not args.quant_lm_head
-        else "+lm_head"
-        if args.head_format == args.quant
-        else f"+lm_head:{args.head_format}"
-    )
-    return args.quant + head + ("+a8" if a8 else "")
+    head = "" if args.head_format in (None, args.quant) else f":{args.head_format}"
+    return args.quant + ("+lm_head" + head if args.quant_lm_head else "") + ("+a8" if a8 else "")
 
 
 def bench_polyfuse(model, batch, prompt_len, new_tokens, device):

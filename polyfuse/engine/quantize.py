@@ -121,8 +121,9 @@ class QuantSetup:
     """One load's quantization: built by :func:`setup` from the request and the checkpoint, then ``apply`` (meta
     model), ``tensors`` (the checkpoint iterator), ``place`` (each tensor) and ``finish``."""
 
-    def __init__(self, request: Optional[str], ckpt: Checkpoint, keep_gguf: bool, device, dtype):
+    def __init__(self, request: Optional[str], ckpt: Checkpoint, keep_gguf: bool, device, dtype, keep_head=False):
         self.request, self.ckpt, self.keep_gguf = request, ckpt, keep_gguf
+        self.keep_head = keep_head  # a GGUF's own output.weight kept as stored too (quant_lm_head)
         self.device, self.dtype = torch.device(device), dtype
         self.qmodules: dict[str, QLinear] = {}
         # dense module -> ({part: (format, group size)}, parts) of its packed tensors
@@ -137,7 +138,6 @@ class QuantSetup:
         self.shards: dict = {}  # tensor parallelism: {checkpoint fragment: Shard} of this rank (engine/shards.py)
         self.lock = threading.Lock()
         self.random = False  # for_random_weights: also the GGUF types, packed by round to nearest
-        self.keep_head = False  # a GGUF's own output.weight kept as stored (quant_lm_head)
 
     # -- decisions ------------------------------------------------------------------------------------------------
 
@@ -500,9 +500,7 @@ def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags
         quant = None  # already in the requested format: loaded as stored
     if ckpt.kind == "dense" and quant not in LOAD_TIME_FORMATS:
         return None
-    qsetup = QuantSetup(quant, ckpt, quant == "gguf", device, dtype)
-    qsetup.keep_head = keep_gguf_head
-    return qsetup
+    return QuantSetup(quant, ckpt, quant == "gguf", device, dtype, keep_gguf_head)
 
 
 def for_random_weights(quant: Optional[str], device, dtype) -> Optional[QuantSetup]:
