@@ -172,6 +172,15 @@ def record_last_logits_(model) -> list:
     return logits
 
 
+def linear_q_taker(model, rows: int, qw=None) -> str:
+    """The implementation of ``model``'s linear_q chain that takes ``rows`` rows of ``qw`` (default: the first
+    layer's o projection) in the run's dtype: the first in the chain whose ``accepts`` does not decline them."""
+    choice = model.kernels.choices["linear_q"]
+    qw = qw or model.model.layers[0].self_attn.o_proj.quantized_weight()
+    x = torch.zeros(rows, qw.shape[1], dtype=model.kernels.context.dtype, device=qw.qweight.device)
+    return next(i.name for i in (choice.implementation, *choice.then) if i.accepts is None or not i.accepts(x, qw))
+
+
 def cpu_scaled_mm_missing():
     """Why torch._scaled_mm with row-wise scales (polyfuse's) cannot run on the CPU in this torch, or None: no CPU
     kernel before torch 2.8, per-tensor scales only in some later ones (2.11)."""

@@ -489,21 +489,14 @@ def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
     """On the GPU in bf16 with the default chain: a forward of 4 x 9 rows (the GEMM) and of 2 x 100 rows (dequantize
     + cuBLAS; the chain's implementations before them decline these rows) against the same model with the native
     reference forced (-linear_q,-swiglu_linear_q)."""
-    from helpers import tiny_config
+    from helpers import linear_q_taker, tiny_config
 
     from polyfuse.engine.loading import set_kernels
     from polyfuse.models.llama import LlamaForCausalLM
 
     cfg = tiny_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
     model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", seed=5, quant=quant)
-    choice = model.kernels.choices["linear_q"]
-    qw = model.model.layers[0].self_attn.o_proj.quantized_weight()
-
-    def runs(rows):  # the first of the chain to take `rows` rows of this weight (the others decline them)
-        x = torch.zeros(rows, qw.shape[1], dtype=torch.bfloat16, device="cuda")
-        return next(i.name for i in (choice.implementation, *choice.then) if i.accepts is None or not i.accepts(x, qw))
-
-    assert (runs(36), runs(200)) == ("gemm_q", "dequant_mm")
+    assert (linear_q_taker(model, 36), linear_q_taker(model, 200)) == ("gemm_q", "dequant_mm")
     gen = torch.Generator().manual_seed(9)
     batches = [torch.randint(10, 300, s, generator=gen).cuda() for s in ((4, 9), (2, 100))]
     with torch.inference_mode():

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse fixture)
+from helpers import linear_q_taker, one_thread, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
 from quant_cases import act_order, quantized, random_gguf
 
 from polyfuse.core import registry
@@ -1015,12 +1015,22 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
 # ---- NVIDIA (make test-cuda) ---------------------------------------------------------------------------------------
 
 
+# Teacher-forced next-token argmax over the text's windows: the share of positions where a quantized model picks the
+# bf16 float model's token (one H200, session 23: gguf 1.0 (a prompt runs dequantize + cuBLAS on the same bf16
+# weights), int8 0.94, fp8 0.84, int4 0.58: round to nearest at 4 bits on a 135M model, +62% perplexity).
+AGREE = {"gguf": 0.99, "int8": 0.9, "fp8": 0.8, "int4": 0.5}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", ["gguf", "int8", "fp8", "int4"])
 def test_cuda_builtin_model_quantized(builtin, quant):
     """On the GPU in bf16: the GGUF stays Q4_1 by default (a kernel takes it), --quant formats load; one-row decode
-    runs the Triton GEMV, fp8 prefill scaled_mm on fp8 tensor cores; greedy tokens mostly agree with the float
-    model's, perplexity within the CPU bounds of the bf16 float model."""
+    runs the Triton GEMV, 8 rows the Triton GEMM, a 256-token prompt fp8 scaled_mm on fp8 tensor cores (the others
+    dequantize + cuBLAS). Over the text's windows the next-token argmax agrees with the bf16 float model's at AGREE's
+    share of positions and the perplexity is within the CPU bounds; the decode kernels' greedy tokens are the prompt
+    path's argmax on the same tokens (14 of 16 at least: the two paths round differently, so a near tie may flip;
+    free-running greedy tokens against the float model's are not compared: this prompt has a near tie three tokens
+    in, where the float model in bf16 and in float32 already differ later on)."""
     from polyfuse.bench.perplexity import perplexity
     from polyfuse.models import AutoModelForCausalLM
 
@@ -1031,14 +1041,17 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     model = AutoModelForCausalLM.from_pretrained(path, quant=None if quant == "gguf" else quant, **load)
     fmts = {m.format for m in quantized_modules(model).values()}
     assert fmts == {"gguf_q4_1" if quant == "gguf" else quant}
-    chain = model.kernels.choices["linear_q"]
-    assert chain.implementation.name == "gemv_q"
-    fp8_mm = ["fp8_scaled_mm", "scaled_mm"] if torch.cuda.get_device_capability() >= (8, 9) else []
-    assert [i.name for i in chain.then] == ["gemm_q", "dequant_mm"] + fp8_mm
+    prompt = "fp8_scaled_mm" if quant == "fp8" and torch.cuda.get_device_capability() >= (8, 9) else "dequant_mm"
+    assert [linear_q_taker(model, m) for m in (1, 8, 256)] == ["gemv_q", "gemm_q", prompt]
+    with torch.inference_mode():
+        pairs = [(model(w[None].cuda()).logits.argmax(-1), dense(w[None].cuda()).logits.argmax(-1)) for w in windows]
+    agree = sum((a == b).sum().item() for a, b in pairs) / sum(b.numel() for _, b in pairs)
+    assert agree >= AGREE[quant], (quant, agree)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 1345, 30]], device="cuda")
-    a = dense.generate(ids, max_new_tokens=16, ignore_eos=True)
-    b = model.generate(ids, max_new_tokens=16, ignore_eos=True)
-    assert (a == b).float().mean() > 0.6
+    out = model.generate(ids, max_new_tokens=16, ignore_eos=True)
+    with torch.inference_mode():
+        again = model(out).logits.argmax(-1)[0, ids.shape[1] - 1 : -1]
+    assert (again == out[0, ids.shape[1] :]).sum().item() >= 14, (again, out)
     base, ppl = perplexity(dense, windows)[0], perplexity(model, windows)[0]
     bound = 0.005 if quant == "gguf" else BOUNDS[quant] + 0.02
     assert abs(ppl / base - 1) < bound, (quant, ppl, base)
