@@ -92,6 +92,17 @@ def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
                 warmup_s=warm, mem_max_GB=gb(peak))  # fmt: skip
 
 
+def prefill_attention(model) -> str:
+    """The attention a cached prompt step runs: the first of the op's chain that takes any input (one-query decode
+    kernels decline a prompt's queries), and, where the last layer attends from the last query only
+    (``prune_last_layer``), what takes that one query when it differs."""
+    choice = model.kernels.choices["attention"]
+    chain = (choice.implementation, *choice.then)
+    many = next((i.name for i in chain if i.accepts is None), chain[-1].name)
+    one = choice.implementation.name
+    return f"{many} (last layer: {one})" if model.prune_last_layer and one != many else many
+
+
 def prefill_row(impl, attention, shape, batch, length, seconds, extra_bytes) -> dict:
     return dict(what="prefill", impl=impl, attention=attention, shape=shape, batch=batch, L=length,
                 ms=1e3 * seconds, peak_extra_GB=gb(extra_bytes))  # fmt: skip
@@ -179,7 +190,7 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
     with torch.inference_mode():
         ensure_cache(model, batch, length)
         s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
-        attention = model.kernels.choices["attention"].implementation.name
+        attention = prefill_attention(model)
         log(prefill_row("polyfuse", attention, shape, batch, length, s, extra), out)
         if model.flags.get("cuda_graph_prefill"):  # the prompt step as generate() runs it with the flag: a replay
             step = model.runtime.graph_module(StepModule(model), "prefill", model.flags)

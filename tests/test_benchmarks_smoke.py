@@ -35,6 +35,33 @@ def test_benchmark_generation_tiny(tmp_path):
     assert {("polyfuse", "native"), ("transformers", "sdpa")} <= prefill
 
 
+def test_prefill_rows_name_the_attention_that_runs():
+    """A prompt step's attention is the first of the chain that takes any input (the one-query decode kernel declines
+    it), with the one-query choice named for the pruned last layer; a chain of one is itself."""
+    import importlib.util
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_gen", os.path.join(ROOT, "examples", "benchmark_generation.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    decode, sdpa, native = (
+        NS(name="triton_decode", accepts=len),
+        NS(name="sdpa_flash", accepts=None),
+        NS(name="native", accepts=None),
+    )
+
+    def model(chain, prune=True):
+        choice = NS(implementation=chain[0], then=list(chain[1:]))
+        return NS(kernels=NS(choices={"attention": choice}), prune_last_layer=prune)
+
+    assert bench.prefill_attention(model([decode, sdpa, native])) == "sdpa_flash (last layer: triton_decode)"
+    assert bench.prefill_attention(model([decode, sdpa, native], prune=False)) == "sdpa_flash"
+    assert bench.prefill_attention(model([sdpa, native])) == "sdpa_flash"
+    assert bench.prefill_attention(model([native])) == "native"
+
+
 def test_benchmark_training_tiny(tmp_path):
     out = tmp_path / "train.json"
     proc = _run([
