@@ -94,11 +94,11 @@ def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
 
 def prefill_attention(model) -> str:
     """The attention a cached prompt step runs: the first of the op's chain that takes any input (one-query decode
-    kernels decline a prompt's queries), and, where the last layer attends from the last query only
-    (``prune_last_layer``), what takes that one query when it differs."""
+    kernels decline a prompt's queries; past the chain, the native reference), and, where the last layer attends from
+    the last query only (``prune_last_layer``), what takes that one query when it differs."""
     choice = model.kernels.choices["attention"]
     chain = (choice.implementation, *choice.then)
-    many = next((i.name for i in chain if i.accepts is None), chain[-1].name)
+    many = next((i.name for i in chain if i.accepts is None), "native")
     one = choice.implementation.name
     return f"{many} (last layer: {one})" if model.prune_last_layer and one != many else many
 

@@ -174,11 +174,13 @@ def record_last_logits_(model) -> list:
 
 def linear_q_taker(model, rows: int, qw=None) -> str:
     """The implementation of ``model``'s linear_q chain that takes ``rows`` rows of ``qw`` (default: the first
-    layer's o projection) in the run's dtype: the first in the chain whose ``accepts`` does not decline them."""
+    layer's o projection) in the run's dtype: the first in the chain whose ``accepts`` does not decline them, else
+    the native reference after the chain."""
     choice = model.kernels.choices["linear_q"]
     qw = qw or model.model.layers[0].self_attn.o_proj.quantized_weight()
     x = torch.zeros(rows, qw.shape[1], dtype=model.kernels.context.dtype, device=qw.qweight.device)
-    return next(i.name for i in (choice.implementation, *choice.then) if i.accepts is None or not i.accepts(x, qw))
+    chain = (choice.implementation, *choice.then)
+    return next((i.name for i in chain if i.accepts is None or not i.accepts(x, qw)), "native")
 
 
 def cpu_scaled_mm_missing():

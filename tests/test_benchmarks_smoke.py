@@ -37,7 +37,7 @@ def test_benchmark_generation_tiny(tmp_path):
 
 def test_prefill_rows_name_the_attention_that_runs():
     """A prompt step's attention is the first of the chain that takes any input (the one-query decode kernel declines
-    it), with the one-query choice named for the pruned last layer; a chain of one is itself."""
+    it; past the chain, native), with the one-query choice named for the pruned last layer; a chain of one is itself."""
     import importlib.util
     from types import SimpleNamespace as NS
 
@@ -60,6 +60,8 @@ def test_prefill_rows_name_the_attention_that_runs():
     assert bench.prefill_attention(model([decode, sdpa, native], prune=False)) == "sdpa_flash"
     assert bench.prefill_attention(model([sdpa, native])) == "sdpa_flash"
     assert bench.prefill_attention(model([native])) == "native"
+    # every choice declines some input (ROCm: no sdpa_flash): a prompt reaches the native reference past the chain
+    assert bench.prefill_attention(model([decode])) == "native (last layer: triton_decode)"
 
 
 def test_benchmark_training_tiny(tmp_path):
