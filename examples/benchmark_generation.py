@@ -12,6 +12,7 @@ Every number is measured in this run: the copy bandwidth that sets the ceiling, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -103,9 +104,11 @@ def prefill_attention(model) -> str:
     return f"{many} (last layer: {one})" if model.prune_last_layer and one != many else many
 
 
-def prefill_row(impl, attention, shape, batch, length, seconds, extra_bytes) -> dict:
+def prefill_row(impl, attention, shape, batch, length, seconds, extra_bytes, after_idle_s=0.0) -> dict:
+    """One prefill timing; ``after_idle_s`` > 0: each timed prompt ran after that long with the GPU idle (the
+    latency of one prompt on a GPU not held at its power limit), else the prompts ran back to back."""
     return dict(what="prefill", impl=impl, attention=attention, shape=shape, batch=batch, L=length,
-                ms=1e3 * seconds, peak_extra_GB=gb(extra_bytes))  # fmt: skip
+                ms=1e3 * seconds, peak_extra_GB=gb(extra_bytes), after_idle_s=after_idle_s)  # fmt: skip
 
 
 class StepTimer:
@@ -184,19 +187,23 @@ def _timed_peak(device, fn, **kw):
     return s, (torch.cuda.max_memory_allocated() - base) if cuda else 0
 
 
-def bench_prefill(model, hf, length, batch, device, out, shape):
+def bench_prefill(model, hf, length, batch, device, out, shape, idle_s=0.0):
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
     pos = torch.arange(length, device=device)[None].expand(batch, length)
     with torch.inference_mode():
         ensure_cache(model, batch, length)
-        s, extra = _timed_peak(device, lambda: model.step(ids, pos, pos[0], None, length), reps=5)
         attention = prefill_attention(model)
-        log(prefill_row("polyfuse", attention, shape, batch, length, s, extra), out)
+        runs, step = [("polyfuse", lambda: model.step(ids, pos, pos[0], None, length))], None
         if model.flags.get("cuda_graph_prefill"):  # the prompt step as generate() runs it with the flag: a replay
             step = model.runtime.graph_module(StepModule(model), "prefill", model.flags)
-            s, extra = _timed_peak(device, lambda: step(length, ids, pos, pos[0], None), reps=5)
-            log(prefill_row("polyfuse+cuda_graph", attention, shape, batch, length, s, extra), out)
-            del step
+            runs.append(("polyfuse+cuda_graph", functools.partial(step, length, ids, pos, pos[0], None)))
+        for impl, fn in runs:
+            s, extra = _timed_peak(device, fn, reps=5)
+            log(prefill_row(impl, attention, shape, batch, length, s, extra), out)
+            if idle_s > 0:
+                s, extra = _timed_peak(device, fn, reps=5, pause=idle_s)
+                log(prefill_row(impl, attention, shape, batch, length, s, extra, after_idle_s=idle_s), out)
+        del runs, step  # the prompt graph's memory goes back before the peers run
         model.cache = None
         if hf is not None:
             for attn in ("sdpa", "eager"):
@@ -207,6 +214,9 @@ def bench_prefill(model, hf, length, batch, device, out, shape):
                     torch.cuda.empty_cache()
                 s, extra = _timed_peak(device, lambda: hf(ids), reps=3 if batch > 1 else 5, warmup=1)
                 log(prefill_row("transformers", attn, shape, batch, length, s, extra), out)
+                if idle_s > 0 and attn == "sdpa":
+                    s, extra = _timed_peak(device, lambda: hf(ids), reps=5, warmup=1, pause=idle_s)
+                    log(prefill_row("transformers", attn, shape, batch, length, s, extra, after_idle_s=idle_s), out)
             hf.set_attn_implementation("sdpa")
 
 
@@ -266,6 +276,11 @@ def main():
         "--blas", default="", help="comma list of torch BLAS backends to time decode under (cublas, cublaslt)"
     )
     p.add_argument("--prefill", default="2048", help="prefill lengths at batch 1 ('' for none)")
+    p.add_argument(
+        "--prefill_idle", type=float, default=0.0,
+        help="also time each polyfuse prefill with the GPU idle this many seconds before every prompt (one prompt's "
+        "latency; back to back, a GPU at its power limit runs at a lower clock)",
+    )  # fmt: skip
     p.add_argument("--attn_memory", action="store_true", help="batch 8 x 4096 prefill memory, flash vs eager vs SDPA")
     p.add_argument("--block70b", action="store_true", help="Llama-2-70B single block decode, tokens/s per block")
     p.add_argument("--load", action="store_true", help="load time from a local safetensors folder, 8B shape")
@@ -427,7 +442,7 @@ def main():
             )
         if shape == "llama3-8b" or (shape == shapes[0] and device.type == "cpu"):
             for L in [int(x) for x in args.prefill.split(",") if x]:
-                bench_prefill(model, hf, L, 1, device, out, shape)
+                bench_prefill(model, hf, L, 1, device, out, shape, args.prefill_idle)
             if args.attn_memory:
                 bench_prefill(model, hf, 4096, 8, device, out, shape)
                 # same model, eager attention for the comparison:

@@ -25,14 +25,18 @@ def test_benchmark_generation_tiny(tmp_path):
     _run([
         "examples/benchmark_generation.py", "--shapes", "tiny", "--batch_sizes", "1,2", "--new_tokens", "4",
         "--prompt_len", "8", "--peers", "eager", "--peer_shapes", "tiny", "--peer_batch_sizes", "1",
-        "--prefill", "16", "--flags", "", "--output", str(out),
+        "--prefill", "16", "--prefill_idle", "0.01", "--flags", "", "--output", str(out),
     ])  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     decode = [(r["impl"], r["bs"]) for r in rows if r["what"] == "decode"]
     assert decode == [("polyfuse", 1), ("transformers", 1), ("polyfuse", 2)]
     assert all(r["tok_per_s"] > 0 for r in rows if r["what"] == "decode")
-    prefill = {(r["impl"], r["attention"]) for r in rows if r["what"] == "prefill"}
-    assert {("polyfuse", "native"), ("transformers", "sdpa")} <= prefill
+    prefill = [(r["impl"], r["attention"], r["after_idle_s"]) for r in rows if r["what"] == "prefill"]
+    assert prefill == [
+        ("polyfuse", "native", 0.0), ("polyfuse", "native", 0.01), ("transformers", "sdpa", 0.0),
+        ("transformers", "sdpa", 0.01), ("transformers", "eager", 0.0),
+    ]  # fmt: skip
+    assert all(r["ms"] > 0 for r in rows if r["what"] == "prefill")
 
 
 def test_prefill_rows_name_the_attention_that_runs():
@@ -157,3 +161,17 @@ def test_profile_summary_sorts_kernels_by_kind():
         ("cutlass3x_sm90_tensorop_gemm", 500.0), ("flash_fwd_kernel", 1500.0), ("_attn_bwd_dkdv", 250.0),
         ("_rms_norm_fwd_kernel", 750.0), ("void at::native::vectorized_elementwise_kernel", 125.0))]  # fmt: skip
     assert bench.kernel_kinds(events) == {"matmul": 8.0, "attention": 1.75, "other": 0.88}
+
+
+def test_time_median_pause_idles_before_each_call_outside_the_timing():
+    """``pause`` sleeps before every timed call (the device idle) and is not counted in the time."""
+    import time
+
+    from polyfuse.bench.measure import time_median
+
+    calls = []
+    t0 = time.perf_counter()
+    s = time_median(lambda: calls.append(time.perf_counter()), reps=3, warmup=1, pause=0.05)
+    assert len(calls) == 4
+    assert all(b - a >= 0.05 for a, b in zip(calls[1:], calls[2:]))  # the timed calls, a pause apart
+    assert time.perf_counter() - t0 >= 0.15 and s < 0.01

@@ -15,13 +15,19 @@ def copy_bandwidth(device, nbytes: int = 4 << 30, reps: int = 10) -> float:
     return 2 * nbytes / time_median(lambda: dst.copy_(src), reps=reps)
 
 
-def time_median(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` timed with CUDA events (host clock on the CPU)."""
+def time_median(fn, reps: int = 10, warmup: int = 2, pause: float = 0.0) -> float:
+    """Median seconds of ``fn()`` timed with CUDA events (host clock on the CPU). ``pause``: seconds with the device
+    idle before each timed call (each then starts from the idle GPU's clocks: under a long run of heavy calls back to
+    back, a GPU may reach its power limit and lower its clock, as the H200 does on fp8 prefill)."""
     for _ in range(warmup):
         fn()
     times = []
     cuda = torch.cuda.is_available()
     for _ in range(reps):
+        if pause > 0:
+            if cuda:
+                torch.cuda.synchronize()
+            time.sleep(pause)
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
