@@ -203,7 +203,7 @@ def bench_prefill(model, hf, length, batch, device, out, shape, idle_s=0.0):
             if idle_s > 0:
                 s, extra = _timed_peak(device, fn, reps=5, pause=idle_s)
                 log(prefill_row(impl, attention, shape, batch, length, s, extra, after_idle_s=idle_s), out)
-        del runs, step  # the prompt graph's memory goes back before the peers run
+        del runs, step, fn  # the prompt graph's memory goes back before the peers run
         model.cache = None
         if hf is not None:
             for attn in ("sdpa", "eager"):
@@ -278,8 +278,8 @@ def main():
     p.add_argument("--prefill", default="2048", help="prefill lengths at batch 1 ('' for none)")
     p.add_argument(
         "--prefill_idle", type=float, default=0.0,
-        help="also time each polyfuse prefill with the GPU idle this many seconds before every prompt (one prompt's "
-        "latency; back to back, a GPU at its power limit runs at a lower clock)",
+        help="also time each polyfuse prefill and transformers' SDPA prefill with the GPU idle this many seconds "
+        "before every prompt (one prompt's latency; back to back, a GPU at its power limit runs at a lower clock)",
     )  # fmt: skip
     p.add_argument("--attn_memory", action="store_true", help="batch 8 x 4096 prefill memory, flash vs eager vs SDPA")
     p.add_argument("--block70b", action="store_true", help="Llama-2-70B single block decode, tokens/s per block")

@@ -173,5 +173,63 @@ def test_time_median_pause_idles_before_each_call_outside_the_timing():
     t0 = time.perf_counter()
     s = time_median(lambda: calls.append(time.perf_counter()), reps=3, warmup=1, pause=0.05)
     assert len(calls) == 4
-    assert all(b - a >= 0.05 for a, b in zip(calls[1:], calls[2:]))  # the timed calls, a pause apart
+    assert all(b - a >= 0.05 for a, b in zip(calls, calls[1:]))  # a pause before each timed call, the first too
     assert time.perf_counter() - t0 >= 0.15 and s < 0.01
+
+
+def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_peer(monkeypatch):
+    """--prefill_idle: every polyfuse prefill (eager and graphed) and the peer's SDPA one are timed again with the
+    pause; the prompt graph is gone before the peer runs (its memory back for the peer's activations)."""
+    import gc
+    import importlib.util
+    import weakref
+
+    import torch
+
+    from polyfuse.bench.shapes import config_for
+    from polyfuse.models import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_gen_idle", os.path.join(ROOT, "examples", "benchmark_generation.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = AutoModelForCausalLM.from_config(config_for("tiny")).eval()
+    monkeypatch.setitem(model.flags, "cuda_graph_prefill", True)  # the CPU turns it off at load; the stand-in graphs
+    graphs, alive, timed, rows = [], [], [], []
+
+    class Graph:  # stands for the captured prompt step (GraphedStep's call convention)
+        def __init__(self, module):
+            self.module = module
+
+        def __call__(self, kv_len, *args):
+            return self.module(kv_len, *args)
+
+    def graph_module(module, phase, flags):
+        graph = Graph(module)
+        graphs.append(weakref.ref(graph))
+        return graph
+
+    class Peer:
+        def set_attn_implementation(self, attn):
+            pass
+
+        def __call__(self, ids):
+            gc.collect()
+            alive.append(graphs[0]() is not None)
+
+    def timed_peak(device, fn, **kw):
+        fn()
+        timed.append(kw)
+        return 0.001, 0
+
+    monkeypatch.setattr(model.runtime, "graph_module", graph_module)
+    monkeypatch.setattr(bench, "_timed_peak", timed_peak)
+    monkeypatch.setattr(bench, "log", lambda row, out: rows.append(row))
+    bench.bench_prefill(model, Peer(), 8, 1, torch.device("cpu"), None, "tiny", idle_s=0.5)
+    assert len(graphs) == 1 and alive == [False, False, False]
+    assert [(r["impl"], r["after_idle_s"]) for r in rows] == [
+        ("polyfuse", 0.0), ("polyfuse", 0.5), ("polyfuse+cuda_graph", 0.0), ("polyfuse+cuda_graph", 0.5),
+        ("transformers", 0.0), ("transformers", 0.5), ("transformers", 0.0),
+    ]  # fmt: skip
+    assert [kw.get("pause", 0.0) for kw in timed] == [0.0, 0.5, 0.0, 0.5, 0.0, 0.5, 0.0]
