@@ -259,7 +259,8 @@ def test_gemv_tiles_per_projection(monkeypatch):
     from polyfuse.backends.triton import _qgemv
 
     assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.SHAPE_TILES[("fp8", 6144, 4096)] != _qgemv.TILES["fp8"]
-    assert _qgemv.tiles_for("fp8", 4096, 4096) == _qgemv.TILES["fp8"]
+    assert ("fp8", 8192, 4096) not in _qgemv.SHAPE_TILES
+    assert _qgemv.tiles_for("fp8", 8192, 4096) == _qgemv.TILES["fp8"]
     monkeypatch.setattr(_qgemv, "_ENV_FORMATS", {"fp8"})
     assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.TILES["fp8"]
 

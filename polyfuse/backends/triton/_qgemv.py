@@ -181,7 +181,7 @@ TILES = {
 }
 # (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
 # H200; us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8;
-# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile). Session 11's sweep found 16 x 256 / 16 x 512
+# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile then; run 40 replaced o, gate/up and down). Session 11's sweep found 16 x 256 / 16 x 512
 # tiles 1-3 us faster per call for qkv, o and down, but the graphed decode was not: 381.8-382.0 against 383.1-383.6
 # tok/s (int8), 387.9-388.2 against 389.3-389.5 (fp8), three alternating passes on one model: kept as they are.
 # Session 12 again, with smaller programs (1-2 warps, 4-16 columns) and 2-16 per SM: 8B qkv 9.58 -> 8.91 us, o 8.54
@@ -209,7 +209,16 @@ SHAPE_TILES = {
     ("gguf_q6_k", 4096, 14336): (2, 1024, 1, 3),
     ("int8", 6144, 4096): (16, 512, 4, 4),
     ("fp8", 6144, 4096): (16, 512, 4, 4),
-    ("fp8", 28672, 4096): (32, 256, 4, 3),
+    # Llama-3-8B o, gate/up and down in int8 / fp8 (session 25, run 40): chosen by the graphed decode itself (batch 1,
+    # head packed), not by per-call times, one projection at a time with the others at their best so far, three
+    # rounds of 4-8 candidates each; then against the tiles before, alternating in one process: fp8 391.5 -> 405.8
+    # tok/s, int8 385.7 -> 399.0 (docs/benchmarks.md run 40). Fewer rows per program, more programs.
+    ("int8", 4096, 4096): (8, 512, 4, 4),
+    ("fp8", 4096, 4096): (8, 512, 4, 4),
+    ("int8", 28672, 4096): (32, 128, 2, 4),
+    ("fp8", 28672, 4096): (32, 128, 2, 4),
+    ("int8", 4096, 14336): (8, 1024, 4, 3),
+    ("fp8", 4096, 14336): (8, 1024, 4, 3),
     ("int4", 6144, 4096): (256, 128, 4, 2),
     ("int4", 4096, 4096): (128, 64, 1, 2),
     ("int4", 28672, 4096): (256, 32, 1, 2),
