@@ -179,23 +179,23 @@ TILES = {
     "gguf_q4_1_a8": (1, 2048, 2, 3),
     "gguf_q6_k": (2, 512, 1, 3),
 }
-# (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one
-# H200; us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8;
-# gate/up fp8 30.80 at 3 stages vs 32.43 (o and down: the format tile then; run 40 replaced o, gate/up and down). Session 11's sweep found 16 x 256 / 16 x 512
-# tiles 1-3 us faster per call for qkv, o and down, but the graphed decode was not: 381.8-382.0 against 383.1-383.6
-# tok/s (int8), 387.9-388.2 against 389.3-389.5 (fp8), three alternating passes on one model: kept as they are.
-# Session 12 again, with smaller programs (1-2 warps, 4-16 columns) and 2-16 per SM: 8B qkv 9.58 -> 8.91 us, o 8.54
-# -> 7.18, down 20.16 -> 16.85, LM head 136.87 -> 120.35 (int8; fp8 alike), yet the decode was slower: 383.3 against
-# 388.5 tok/s (int8), 393.4 against 396.4 (fp8), four alternating passes: kept as they are.
+# (format, N, K) -> tile where a sweep found a better one than the format's entry above for that projection (one H200;
+# us, format tile -> this tile). int8 / fp8, Llama-3-8B (run 22): qkv 8.96 vs 10.60 int8, 8.72 vs 9.74 fp8; gate/up fp8
+# 30.80 at 3 stages vs 32.43 (o and down: the format tile then; run 40 replaced o, gate/up and down). Session 11's
+# sweep found 16 x 256 / 16 x 512 tiles 1-3 us faster per call for qkv, o and down, but the graphed decode was not:
+# 381.8-382.0 against 383.1-383.6 tok/s (int8), 387.9-388.2 against 389.3-389.5 (fp8), three alternating passes on one
+# model: kept as they are. Session 12 again, with smaller programs (1-2 warps, 4-16 columns) and 2-16 per SM: 8B qkv
+# 9.58 -> 8.91 us, o 8.54 -> 7.18, down 20.16 -> 16.85, LM head 136.87 -> 120.35 (int8; fp8 alike), yet the decode was
+# slower: 383.3 against 388.5 tok/s (int8), 393.4 against 396.4 (fp8), four alternating passes: kept as they are.
 # Llama-2-70B (run 24): int8 o 20.14 -> 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55,
 # gate/up 116.65 -> 111.36, down 57.65 -> 56.66 (qkv: the format tile). int4 (run 25, the byte-permute kernel; its
 # format tile 512 x 64 is the least summed over both models; the same tile measured 4-9% apart between passes of one
 # call). int4 since session 12 (weights loaded before the PDL wait, prefetch_tiles): tile and programs per SM swept
-# together in three rounds, smaller programs and more of them per SM each time (1-warp programs of 128-512 columns
-# at 8-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch
-# -> these: 8B qkv 12.41 -> 9.53, o 8.08 -> 7.83, gate/up 27.98 -> 25.77, down 23.94 -> 16.94, LM head 95.94 ->
-# 83.38; 70B qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the
-# same model, alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
+# together in three rounds, smaller programs and more of them per SM each time (1-warp programs of 128-512 columns at
+# 8-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch ->
+# these: 8B qkv 12.41 -> 9.53, o 8.08 -> 7.83, gate/up 27.98 -> 25.77, down 23.94 -> 16.94, LM head 95.94 -> 83.38; 70B
+# qkv 23.70 -> 20.99, o 19.35 -> 16.48, gate/up 88.45 -> 80.0, down 53.94 -> 47.75. Decode batch 1, the same model,
+# alternating, per round: 8B 364.3 -> 385.8 -> 388.1 -> 390.5 tok/s, 70B 63.0 -> 65.8 -> 68.3 -> 68.5.
 SHAPE_TILES = {
     ("gguf_q6_k_a8", 28672, 4096): (1, 1024, 2, 3),  # session 21, word pairs: 49.6 -> 48.0 us
     ("gguf_q4_0_a8", 6144, 4096): (1, 2048, 2, 3),  # session 19: 2-3% less than the format's tile
