@@ -190,7 +190,8 @@ TILES = {
 # Llama-2-70B (run 24): int8 o 20.14 -> 19.26, gate/up 117.63 -> 111.86, down 58.35 -> 57.20; fp8 o 19.53 -> 18.55,
 # gate/up 116.65 -> 111.36, down 57.65 -> 56.66 (qkv: the format tile; run 41 replaced fp8's gate/up and down). int4
 # (run 25, the byte-permute kernel; its format tile 512 x 64 is the least summed over both models; the same tile
-# measured 4-9% apart between passes of one call). int4 since session 12 (weights loaded before the PDL wait, prefetch_tiles): tile and programs per SM swept
+# measured 4-9% apart between passes of one call). int4 since session 12 (weights loaded before the PDL wait,
+# prefetch_tiles): tile and programs per SM swept
 # together in three rounds, smaller programs and more of them per SM each time (1-warp programs of 128-512 columns at
 # 8-32 per SM won most projections). us per call in a CUDA graph of calls, session 11's entries with the prefetch ->
 # these: 8B qkv 12.41 -> 9.53, o 8.08 -> 7.83, gate/up 27.98 -> 25.77, down 23.94 -> 16.94, LM head 95.94 -> 83.38; 70B
