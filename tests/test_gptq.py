@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (autouse: one intra-op thread)
 
-from polyfuse.engine.gptq import dampening, gptq_components
+from polyfuse.engine.gptq import SINK_TOKENS, dampening, gptq_components, sink_weighted
 from polyfuse.engine.qlinear import QLinear
 from polyfuse.engine.quantize import quantize_model_
 from polyfuse.ops import quant_formats as qf
@@ -51,6 +51,20 @@ def test_gptq_lowers_the_output_error_on_inputs_it_did_not_see(fmt):
     gptq = _output_error(fmt, w, gptq_components(fmt, w, 128, h, tokens=4000), x_new)
     rtn = _output_error(fmt, w, qf.quantize_components(fmt, w), x_new)
     assert gptq < 0.8 * rtn, (gptq, rtn)
+
+
+def test_sink_weighted_scales_each_windows_first_tokens():
+    """H from sink_weighted rows: each window's first SINK_TOKENS rows weigh L / SINK_TOKENS, the rest 1."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 20, 8, generator=gen)
+    rows = sink_weighted(x)
+    weight = torch.ones(3, 20)
+    weight[:, :SINK_TOKENS] = 20 / SINK_TOKENS
+    want = torch.einsum("bl,blk,blj->kj", weight, x, x)
+    assert rows.shape == (60, 8)
+    torch.testing.assert_close(rows.t() @ rows, want, rtol=1e-5, atol=1e-5)
+    short = torch.randn(1, SINK_TOKENS, 8, generator=gen)  # nothing to weigh against
+    assert torch.equal(sink_weighted(short), short.reshape(-1, 8))
 
 
 def test_dampening_grows_when_calibration_tokens_are_few():

@@ -934,9 +934,13 @@ def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
 
 
 # GPTQ (engine/gptq.py) calibrated on the text's tokens after the 1024 scored ones (679 tokens, 2 windows), same
-# scoring: fp8 19.649 (-0.33%), int8 19.799 (+0.43%); int4 38.93 (+97%, worse than round to nearest's +63% on this
-# already-4-bit model, docs/quantization.md). Bounds: fp8 within the 1%, int8 below its round-to-nearest's.
-GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063}
+# scoring: fp8 19.285 (-2.18%), int8 19.797 (+0.42%), int4 24.578 (+24.7%); before q/k/v's H weighed each window's
+# first tokens (gptq.sink_weighted): -0.33%, +0.43%, +97.6% (round to nearest: +5.30%, +0.63%, +62.8% on this
+# already-4-bit model; docs/quantization.md). Bounds: fp8 at most the 1% above the float model's, int8 and
+# int4 below their round-to-nearest's; none more than 5% below it (calibrated on the same document, GPTQ may fit it
+# a little better than the float weights do, not by that much).
+GPTQ_FLOOR = -0.05
+GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063, "int4": 0.35}
 
 
 @pytest.mark.parametrize("fmt", list(GPTQ_BOUNDS))
@@ -953,7 +957,7 @@ def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     qz.quantize_model_(model, fmt, calibration)
     assert len(quantized_modules(model)) == 120
     ppl, _ = perplexity(model, windows)
-    assert abs(ppl / baseline - 1) < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
+    assert GPTQ_FLOOR < ppl / baseline - 1 < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
 
 
 def test_perplexity_with_the_lm_head_int8(builtin, baseline):

@@ -564,6 +564,10 @@ def init_random_(model, generator: torch.Generator, std: float) -> None:
     finalize(model)
 
 
+# The projections that make keys and values (their H weighs each window's first tokens: gptq.sink_weighted).
+SINK_PROJECTIONS = ("qkv_proj", "q_proj", "k_proj", "v_proj")
+
+
 @torch.no_grad()
 def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None:
     """Quantize a built float model's projections in place (what ``from_pretrained(quant=fmt)`` does while loading,
@@ -579,7 +583,9 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
             raise ValueError(f"quantize_model_: GPTQ calibration quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
         if not calibration:
             raise ValueError("quantize_model_: calibration holds no token windows")
-        hessians = record_hessians(model, calibration, {lin.weight.data_ptr(): n for n, lin in _candidates(model)})
+        candidates = _candidates(model)
+        sinks = {lin.weight.data_ptr() for n, lin in candidates if n.rsplit(".", 1)[-1] in SINK_PROJECTIONS}
+        hessians = record_hessians(model, calibration, {lin.weight.data_ptr(): n for n, lin in candidates}, sinks)
     skipped: dict = {}
     unreached = []
     for name, lin in _candidates(model):
