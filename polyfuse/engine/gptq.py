@@ -8,7 +8,8 @@ format. The result is the same layout as round to nearest (AutoGPTQ's int4 packi
 kernels and checkpoints do not change, only which grid point each weight gets.
 
 ``record_hessians`` runs the float model over calibration token windows with its ``linear`` / ``swiglu_linear`` ops
-wrapped, accumulating H per projection (keyed by its weight; the LM head is skipped). ``gptq_components`` quantizes
+wrapped, accumulating H per projection (keyed by its weight; the LM head is skipped; in q / k / v's H each window's
+first tokens, the attention sinks, weigh more: ``sink_weighted``). ``gptq_components`` quantizes
 one weight [N, K] with its H. The inputs are those of the float model (one pass, not AutoGPTQ's layer-by-layer pass
 through the already-quantized layers). Dampening: ``dampening`` (AutoGPTQ's 1% of H's mean diagonal, more for few
 calibration tokens); columns no calibration token reached (a zero diagonal) are quantized as zeros. Blocks of 128 columns (int4: its group size, whose scale and zero are taken
