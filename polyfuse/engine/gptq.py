@@ -33,8 +33,8 @@ BLOCK = 128
 
 
 # The first tokens of a window: the attention sinks (StreamingLLM keeps 4) that every later query of the window
-# reads. In the H of a projection that makes keys and values they count SINK_TOKENS apart, each weighted by the
-# window's length / SINK_TOKENS (record_hessians ``sink_keys``).
+# reads. In the H of a projection that makes keys and values each of them weighs the window's length / SINK_TOKENS
+# (record_hessians ``sink_keys``).
 SINK_TOKENS = 4
 
 

@@ -578,17 +578,17 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
     if fmt not in LOAD_TIME_FORMATS:
         raise ValueError(f"quantize_model_: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
     hessians = None
+    candidates = _candidates(model)
     if calibration is not None:
         if fmt not in GPTQ_FORMATS:
             raise ValueError(f"quantize_model_: GPTQ calibration quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
         if not calibration:
             raise ValueError("quantize_model_: calibration holds no token windows")
-        candidates = _candidates(model)
         sinks = {lin.weight.data_ptr() for n, lin in candidates if n.rsplit(".", 1)[-1] in SINK_PROJECTIONS}
         hessians = record_hessians(model, calibration, {lin.weight.data_ptr(): n for n, lin in candidates}, sinks)
     skipped: dict = {}
     unreached = []
-    for name, lin in _candidates(model):
+    for name, lin in candidates:
         parts = _parts(model, name, lin.out_features)
         why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
         if why:
