@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def token_windows(ids: torch.Tensor, context: int, max_tokens: int = 0) -> list[torch.Tensor]:
@@ -28,3 +29,18 @@ def perplexity(model, windows: list[torch.Tensor], device=None) -> tuple[float, 
         nll += float(loss) * (ids.shape[1] - 1)
         count += ids.shape[1] - 1
     return math.exp(nll / count), count
+
+
+@torch.inference_mode()
+def token_nll(model, windows: list[torch.Tensor], device=None) -> torch.Tensor:
+    """Each scored token's negative log-likelihood (float32, on the CPU, in the windows' order; the tokens
+    ``perplexity`` scores). Comparing two runs token by token tells apart a change that moves many tokens by a
+    little from one whose perplexity moves by chance: with ~1000 tokens, perplexity's standard error is about
+    std(per-token change) / sqrt(tokens)."""
+    device = device or model.device
+    out = []
+    for w in windows:
+        ids = w[None].to(device)
+        logits = model(ids).logits[0, :-1].float()
+        out.append(F.cross_entropy(logits, ids[0, 1:], reduction="none").cpu())
+    return torch.cat(out)
