@@ -163,3 +163,50 @@ def test_cli_quant_calibration(tmp_path, capsys):
     rc = main(common + ["--quant", "int8", "--quant_calibration", str(text), "--print_backends"])
     out = capsys.readouterr().out
     assert rc == 0 and "int8" in out, out[-2000:]
+
+
+def test_gptq_records_one_layer_at_a_time_with_the_float_models_inputs(monkeypatch):
+    """quantize_model_ with calibration records the H of one decoder layer's projections at a time (record_hessians
+    with stop_early: the forward stops after that layer, so layer l runs layers 0..l only, and one layer's H is held,
+    not the model's), every projection still float while recording; the packed weights equal those from every H
+    recorded in one forward of the float model, bit for bit."""
+    from polyfuse.engine import gptq
+    from polyfuse.engine import quantize as qz
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=128)
+    calibration = [torch.randint(3, 300, (4, 32), generator=torch.Generator().manual_seed(5))] * 2
+    float_model = LlamaForCausalLM.from_config(cfg, dtype=torch.float32, seed=4)
+    candidates = qz._candidates(float_model)
+    sinks = {m.weight.data_ptr() for n, m in candidates if n.rsplit(".", 1)[-1] in qz.SINK_PROJECTIONS}
+    every = gptq.record_hessians(float_model, calibration, {m.weight.data_ptr(): n for n, m in candidates}, sinks)
+    want = {}
+    for name, lin in candidates:
+        h, tokens = every[lin.weight.data_ptr()]
+        for start, (_, size) in zip(qz._starts(qz._parts(float_model, name, lin.out_features)),
+                                    qz._parts(float_model, name, lin.out_features)):  # fmt: skip
+            want[name, start] = gptq_components("int8", lin.weight[start : start + size], 128, h, tokens)
+
+    model = LlamaForCausalLM.from_config(cfg, dtype=torch.float32, seed=4)
+    layers_run, calls = [], []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args: layers_run.append(mod))
+    real = gptq.record_hessians
+
+    def spy(m, windows, weights, sink_keys=frozenset(), stop_early=False):
+        layers_run.clear()
+        found = real(m, windows, weights, sink_keys, stop_early)
+        calls.append((sorted(weights.values()), any(isinstance(x, QLinear) for x in m.modules()), len(layers_run)))
+        return found
+
+    monkeypatch.setattr(qz, "record_hessians", spy)
+    quantize_model_(model, "int8", calibration)
+    layers = cfg.num_hidden_layers
+    assert [c[0] for c in calls] == [sorted(n for n, _ in candidates if f"layers.{i}." in n) for i in range(layers)]
+    assert not any(c[1] for c in calls)  # recorded on the float model
+    assert [c[2] for c in calls] == [len(calibration) * (i + 1) for i in range(layers)]  # stopped after layer i
+    for name, _ in candidates:
+        q = model.get_submodule(name)
+        for start, size in zip(qz._starts([(None, s) for s in q.parts]), q.parts):
+            assert torch.equal(q.qweight[start : start + size], want[name, start]["qweight"]), name
+            assert torch.equal(q.scales[start : start + size], want[name, start]["scales"]), name

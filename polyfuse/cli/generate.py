@@ -376,8 +376,9 @@ def gptq_quantize(model, fmt: str, windows: list) -> None:
         raise UsageError(f"--quant_calibration: GPTQ could not factor a projection's input Hessian ({e}); the "
                          "calibration text's activations may hold inf/NaN (try without --bf16)") from None  # fmt: skip
     except torch.OutOfMemoryError:
-        raise UsageError("--quant_calibration: out of memory during GPTQ: every projection's K x K float32 input "
-                         "Hessian is held at once beside the float model (Llama-3-8B: about 33 GB)") from None  # fmt: skip
+        raise UsageError("--quant_calibration: out of memory during GPTQ: one decoder layer's K x K float32 input "
+                         "Hessians are held at once beside the float model (Llama-3-8B: about 1 GB; 70B: about 4 "
+                         "GB)") from None  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:

@@ -10,8 +10,10 @@ kernels and checkpoints do not change, only which grid point each weight gets.
 ``record_hessians`` runs the float model over calibration token windows with its ``linear`` / ``swiglu_linear`` ops
 wrapped, accumulating H per projection (keyed by its weight; the LM head is skipped; in q / k / v's H each window's
 first tokens, the attention sinks, weigh more: ``sink_weighted``). ``gptq_components`` quantizes
-one weight [N, K] with its H. The inputs are those of the float model (one pass, not AutoGPTQ's layer-by-layer pass
-through the already-quantized layers). Dampening: ``dampening`` (AutoGPTQ's 1% of H's mean diagonal, more for few
+one weight [N, K] with its H. The inputs are those of the float model, not AutoGPTQ's layer-by-layer pass through the
+already-quantized layers (measured worse on the built-in model: docs/quantization.md); quantize_model_ records one
+decoder layer's H at a time (``stop_early``: each forward stops after that layer), so one layer's H is held, not the
+model's. Dampening: ``dampening`` (AutoGPTQ's 1% of H's mean diagonal, more for few
 calibration tokens); columns no calibration token reached (a zero diagonal) are quantized as zeros. Blocks of 128 columns (int4: its group size, whose scale and zero are taken
 from the updated weights when the group starts, as AutoGPTQ does without static groups).
 """
@@ -52,13 +54,22 @@ def sink_weighted(x: torch.Tensor) -> torch.Tensor:
     return x3.reshape(-1, x.shape[-1])
 
 
+class _Recorded(Exception):
+    """Raised inside a calibration forward once every projection asked for has seen its input (stop_early)."""
+
+
 @torch.no_grad()
-def record_hessians(model, windows: list[torch.Tensor], weights: dict, sink_keys=frozenset()) -> dict:
+def record_hessians(model, windows: list[torch.Tensor], weights: dict, sink_keys=frozenset(), stop_early=False
+                    ) -> dict:  # fmt: skip
     """{weight data_ptr: (H [K, K] float32 on the model's device, tokens)} for the projections whose weights
     ``weights`` maps (data_ptr -> anything), from a forward of the float ``model`` over each token window [L] (or
     [B, L]). In the projections of ``sink_keys`` (data_ptrs: q / k / v) each window's first tokens are weighted
-    (``sink_weighted``). Every projection's H is held at once: K x K float32 each (Llama-3-8B: about 33 GB)."""
+    (``sink_weighted``). Every H asked for is held at once, K x K float32 each (all of Llama-3-8B's: about 33 GB; one
+    layer's: about 1 GB). ``stop_early``: each window's forward ends (``_Recorded``, raised before the projection
+    runs) once every projection asked for has seen its input; every rank of a tensor-parallel model stops at the
+    same projection, before its collective."""
     found: dict = {}
+    seen: set = set()  # this window's
 
     def add(x: torch.Tensor, weight: torch.Tensor) -> None:
         key = weight.data_ptr()
@@ -69,6 +80,9 @@ def record_hessians(model, windows: list[torch.Tensor], weights: dict, sink_keys
         h, n = found.get(key, (None, 0))
         h = x2.t() @ x2 if h is None else h.addmm_(x2.t(), x2)
         found[key] = (h, n + tokens)
+        seen.add(key)
+        if stop_early and len(seen) == len(weights):
+            raise _Recorded
 
     kernels = model.kernels
     linear, swiglu_linear = kernels.linear, kernels.swiglu_linear
@@ -87,7 +101,11 @@ def record_hessians(model, windows: list[torch.Tensor], weights: dict, sink_keys
     try:
         for ids in windows:
             ids = ids.to(model.device)
-            model(ids[None] if ids.dim() == 1 else ids)
+            seen.clear()
+            try:
+                model(ids[None] if ids.dim() == 1 else ids)
+            except _Recorded:
+                pass
     finally:
         model.kernels = kernels
     return found

@@ -33,6 +33,7 @@ import functools
 import logging
 import math
 import os
+import re
 import threading
 from typing import Callable, Optional
 
@@ -80,6 +81,21 @@ def _candidates(model) -> list[tuple[str, nn.Linear]]:
         (n, m) for n, m in model.named_modules()
         if isinstance(m, nn.Linear) and "weight" in m._parameters and m is not head
     ]  # fmt: skip
+
+
+def _layer_groups(candidates: list) -> list[list]:
+    """The candidates cut into runs of one decoder layer each (the name up to its first numeric component:
+    ``model.layers.3``); a projection outside the layers is a run of its own. GPTQ records one run's H at a time."""
+    groups: list = []
+    last = object()
+    for name, lin in candidates:
+        m = re.match(r"(.*?\.\d+)\.", name)
+        key = m.group(1) if m else name
+        if key != last:
+            groups.append([])
+            last = key
+        groups[-1].append((name, lin))
+    return groups
 
 
 def _parts(model, name: str, rows: int) -> list[tuple[str, int]]:
@@ -574,34 +590,42 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
     for a model already in memory): each fused part on its own, shapes the format cannot pack left as they are
     (one warning naming them). With ``calibration`` (token windows: 1-D or [B, L] LongTensors) int4 / int8 / fp8
     are quantized by GPTQ (engine/gptq.py) with the inputs the float model gives each projection on them, instead
-    of round to nearest; the layout, kernels and checkpoints are the same."""
+    of round to nearest (recorded one decoder layer at a time, so one layer's Hessians are held; the packed modules
+    are swapped in at the end); the layout, kernels and checkpoints are the same."""
     if fmt not in LOAD_TIME_FORMATS:
         raise ValueError(f"quantize_model_: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
-    hessians = None
     candidates = _candidates(model)
+    sinks: set = set()
     if calibration is not None:
         if fmt not in GPTQ_FORMATS:
             raise ValueError(f"quantize_model_: GPTQ calibration quantizes {', '.join(GPTQ_FORMATS)}, not {fmt!r}")
         if not calibration:
             raise ValueError("quantize_model_: calibration holds no token windows")
         sinks = {lin.weight.data_ptr() for n, lin in candidates if n.rsplit(".", 1)[-1] in SINK_PROJECTIONS}
-        hessians = record_hessians(model, calibration, {lin.weight.data_ptr(): n for n, lin in candidates}, sinks)
     skipped: dict = {}
     unreached = []
-    for name, lin in candidates:
-        parts = _parts(model, name, lin.out_features)
-        why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
-        if why:
-            skipped.setdefault(why, []).append(name)
-            continue
-        quantize = None  # round to nearest on the weight's device
-        if hessians is not None:
-            if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
-                h, tokens = hessians.pop(lin.weight.data_ptr())
-                quantize = functools.partial(gptq_components, h=HessianFactor(h, tokens))  # one per projection
-            else:  # the calibration forward never called it
-                unreached.append(name)
-        _set_module(model, name, _pack(lin, fmt, parts, INT4_GROUP, quantize))
+    packed = []  # swapped in at the end: every layer's H comes from the float model
+    for group in _layer_groups(candidates):
+        hessians = None
+        if calibration is not None:  # this layer's projections only, the forward stopped after them
+            keys = {lin.weight.data_ptr(): n for n, lin in group}
+            hessians = record_hessians(model, calibration, keys, sinks & keys.keys(), stop_early=True)
+        for name, lin in group:
+            parts = _parts(model, name, lin.out_features)
+            why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
+            if why:
+                skipped.setdefault(why, []).append(name)
+                continue
+            quantize = None  # round to nearest on the weight's device
+            if hessians is not None:
+                if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
+                    h, tokens = hessians.pop(lin.weight.data_ptr())
+                    quantize = functools.partial(gptq_components, h=HessianFactor(h, tokens))  # one per projection
+                else:  # the calibration forward never called it
+                    unreached.append(name)
+            packed.append((name, _pack(lin, fmt, parts, INT4_GROUP, quantize)))
+    for name, q in packed:
+        _set_module(model, name, q)
     if unreached:
         logger.warning("warning: --quant %s: GPTQ: no calibration input reached %d projection(s), rounded to nearest: "
                        "%s", fmt, len(unreached), ", ".join(unreached))  # fmt: skip
