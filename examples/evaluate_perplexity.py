@@ -16,6 +16,11 @@ compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with
 quantized to int8 in blocks of 32, as the one-row decode computes them with POLYFUSE_INT4_A8=1 (GGUF: by default)
 (emulated on every position, teacher-forced: polyfuse/bench/act_int8.py). The default text is the Declaration of
 Independence (public domain, examples/data/declaration_of_independence.txt).
+
+Each JSON line has vs_first (perplexity / the first entry's - 1) and vs_first_se, its standard error from the tokens'
+own losses: std(this entry's per-token loss - the first entry's) / sqrt(tokens). A vs_first within about two of
+them is not resolved by this text: where activations are rounded (fp8 W8A8 on a GPU, +a8) float-level noise alone
+moves the perplexity by that much (docs/quantization.md, "Quality").
 """
 
 import argparse
@@ -32,7 +37,7 @@ import torch  # noqa: E402
 
 from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
-from polyfuse.bench.perplexity import perplexity, token_windows  # noqa: E402
+from polyfuse.bench.perplexity import perplexity, token_nll, token_windows  # noqa: E402
 from polyfuse.engine.gptq import calibration_windows  # noqa: E402
 from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
 
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
             print(f"evaluate_perplexity.py: error: --quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats "
                   "whose one-row GEMV has int8 activations)", file=sys.stderr)  # fmt: skip
             return 2
-    base = None
+    base = base_nll = None
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
@@ -111,11 +116,14 @@ def main(argv=None) -> int:
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, n = perplexity(model, windows)
+        eval_s = time.perf_counter() - t0
+        nll = token_nll(model, windows).double()  # per token, for vs_first's standard error
         row = {"quant": quant, "perplexity": ppl, "tokens": n, "context": args.context, "dtype": str(dtype)[6:],
                "calibration_tokens": sum(len(w) for w in calibration) if gptq else 0,
-               "device": args.device, "load_s": round(load_s, 2), "eval_s": round(time.perf_counter() - t0, 2)}  # fmt: skip
-        base = ppl if base is None else base
+               "device": args.device, "load_s": round(load_s, 2), "eval_s": round(eval_s, 2)}  # fmt: skip
+        base, base_nll = (ppl, nll) if base is None else (base, base_nll)
         row["vs_first"] = ppl / base - 1.0
+        row["vs_first_se"] = ((nll - base_nll).std() / len(nll) ** 0.5).item() if len(nll) > 1 else 0.0
         print(json.dumps(row), flush=True)
         if args.output:
             with open(args.output, "a") as f:

@@ -1028,6 +1028,21 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
 
 
+def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, monkeypatch):
+    """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
+    first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
+    of a percent (the unpaired std of the losses over sqrt(tokens) would be about 20%)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import evaluate_perplexity
+
+    assert evaluate_perplexity.main(["--quant", "none,int8", "--max_tokens", "128", "--context", "64"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["quant"] for r in rows] == ["none", "int8"] and all(r["tokens"] == 126 for r in rows)
+    assert rows[0]["vs_first"] == 0 and rows[0]["vs_first_se"] == 0
+    assert 1e-4 < rows[1]["vs_first_se"] < 0.02, rows[1]
+    assert abs(rows[1]["vs_first"]) < 0.05, rows[1]
+
+
 # ---- NVIDIA (make test-cuda) ---------------------------------------------------------------------------------------
 
 
