@@ -210,3 +210,28 @@ def test_gptq_records_one_layer_at_a_time_with_the_float_models_inputs(monkeypat
         for start, size in zip(qz._starts([(None, s) for s in q.parts]), q.parts):
             assert torch.equal(q.qweight[start : start + size], want[name, start]["qweight"]), name
             assert torch.equal(q.scales[start : start + size], want[name, start]["scales"]), name
+
+
+def test_gptq_records_no_hessian_for_a_projection_it_cannot_pack(monkeypatch, caplog):
+    """int4 with an MLP width of 100 (not a multiple of 8): gate/up and down keep their dtype (one warning naming
+    them) and their H is never recorded; q/k/v and o are packed by GPTQ, every one reached."""
+    from polyfuse.engine import gptq
+    from polyfuse.engine import quantize as qz
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=64, intermediate_size=100)
+    calibration = [torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(5))]
+    model = LlamaForCausalLM.from_config(cfg, dtype=torch.float32, seed=4)
+    asked = []
+    real = gptq.record_hessians
+    monkeypatch.setattr(qz, "record_hessians", lambda m, w, weights, *a, **k: asked.append(sorted(weights.values()))
+                        or real(m, w, weights, *a, **k))  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        quantize_model_(model, "int4", calibration)
+    names = [n for n, _ in qz._candidates(LlamaForCausalLM.from_config(cfg, dtype=torch.float32, seed=4))]
+    packable = [n for n in names if n.endswith(("qkv_proj", "o_proj"))]
+    assert [n for group in asked for n in group] == sorted(packable) and len(asked) == cfg.num_hidden_layers
+    assert all(isinstance(model.get_submodule(n), QLinear) for n in packable)
+    assert not any(isinstance(model.get_submodule(n), QLinear) for n in names if n not in packable)
+    assert "no calibration input reached" not in caplog.text
+    assert caplog.text.count("keep the run's dtype") == 1 and "down_proj" in caplog.text

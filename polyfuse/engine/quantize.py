@@ -606,16 +606,19 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
     unreached = []
     packed = []  # swapped in at the end: every layer's H comes from the float model
     for group in _layer_groups(candidates):
-        hessians = None
-        if calibration is not None:  # this layer's projections only, the forward stopped after them
-            keys = {lin.weight.data_ptr(): n for n, lin in group}
-            hessians = record_hessians(model, calibration, keys, sinks & keys.keys(), stop_early=True)
+        todo = []
         for name, lin in group:
             parts = _parts(model, name, lin.out_features)
             why = cannot_pack(fmt, lin.in_features, tuple(s for _, s in parts))
             if why:
                 skipped.setdefault(why, []).append(name)
-                continue
+            else:
+                todo.append((name, lin, parts))
+        hessians = None
+        if calibration is not None and todo:  # this layer's packable projections, the forward stopped after them
+            keys = {lin.weight.data_ptr(): name for name, lin, _ in todo}
+            hessians = record_hessians(model, calibration, keys, sinks & keys.keys(), stop_early=True)
+        for name, lin, parts in todo:
             quantize = None  # round to nearest on the weight's device
             if hessians is not None:
                 if lin.weight.data_ptr() in hessians:  # popped: each H is freed once its projection is packed
