@@ -30,6 +30,7 @@ Where the packed weights come from:
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import os
@@ -86,16 +87,12 @@ def _candidates(model) -> list[tuple[str, nn.Linear]]:
 def _layer_groups(candidates: list) -> list[list]:
     """The candidates cut into runs of one decoder layer each (the name up to its first numeric component:
     ``model.layers.3``); a projection outside the layers is a run of its own. GPTQ records one run's H at a time."""
-    groups: list = []
-    last = object()
-    for name, lin in candidates:
-        m = re.match(r"(.*?\.\d+)\.", name)
-        key = m.group(1) if m else name
-        if key != last:
-            groups.append([])
-            last = key
-        groups[-1].append((name, lin))
-    return groups
+
+    def layer(candidate) -> str:
+        m = re.match(r"(.*?\.\d+)\.", candidate[0])
+        return m.group(1) if m else candidate[0]
+
+    return [list(run) for _, run in itertools.groupby(candidates, key=layer)]
 
 
 def _parts(model, name: str, rows: int) -> list[tuple[str, int]]:
