@@ -89,6 +89,21 @@ def test_gptq_packing_is_autogptqs_and_round_trips():
     assert torch.equal(w, (q - zeros[torch.arange(k) // 128]).float().t())
 
 
+@pytest.mark.parametrize("n,k,group", [(24, 136, 128), (16, 200, 64), (64, 96, 32), (8, 8, 128)])
+def test_int4_in_order_dequantize_equals_the_per_weight_gather(n, k, group):
+    """The in-order int4 dequantize (bytes unpacked along K, each group's zero and scale broadcast) gives the bits of
+    the per-weight (q - zero[g_idx[k]]) * scale[g_idx[k]], with random scales and a last partial group."""
+    gen = torch.Generator().manual_seed(3)
+    qw = qf.quantize("int4", torch.randn(n, k, generator=gen), group)
+    assert not qw.act_order and qw.scales.shape[0] == -(-k // group) and len(set(qw.scales.flatten().tolist())) > 1
+    q, zeros = qf.unpack_int4(qw)
+    g = qw.g_idx.long()
+    ref = ((q - zeros[g]).float() * qw.scales.float()[g]).t()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(qf.dequantize(qw, dtype), ref.to(dtype))
+        assert torch.equal(qf.dequantize(dataclasses.replace(qw, group_size=0), dtype), ref.to(dtype))  # gathered
+
+
 @pytest.mark.parametrize("fmt,bound", [("int8", 0.009), ("fp8", 0.03), ("fp8_block", 0.03), ("int4", 0.12),
                                        ("gguf_q8_0", 0.01), ("gguf_q4_0", 0.12), ("gguf_q4_1", 0.12),
                                        ("gguf_q4_k", 0.12), ("gguf_q5_k", 0.06), ("gguf_q6_k", 0.03)])  # fmt: skip

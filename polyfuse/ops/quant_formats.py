@@ -167,6 +167,34 @@ def unpack_int4(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return q, zeros
 
 
+def _in_group_order(qw: QuantizedWeight) -> bool:
+    """g_idx is k // group_size (read from g_idx itself: a weight dequantized while a checkpoint loads has no
+    act_order flag set yet)."""
+    gs, k = qw.group_size, qw.shape[1]
+    if gs <= 0 or qw.g_idx is None or qw.g_idx.numel() != k or qw.scales.shape[0] != -(-k // gs):
+        return False
+    order = torch.arange(k, device=qw.g_idx.device, dtype=qw.g_idx.dtype) // gs
+    return torch.equal(qw.g_idx, order)
+
+
+def _int4_in_order(qw: QuantizedWeight) -> torch.Tensor:
+    """float32 [N, K] (a transposed view) of int4 in group order (g_idx = k // group_size): the nibbles unpacked as
+    bytes along K and each group's zero and scale broadcast over its rows, with no per-weight gather; the same
+    values, bit for bit, as the act-order path's (q - zero) * scale (the difference is an exact small integer either
+    way). On the CPU about 4x faster than the gather, which made int4 the slowest native format."""
+    n, k = qw.shape
+    k8 = qw.qweight.shape[0]
+    b = qw.qweight.contiguous().view(torch.uint8).view(k8, n, 4)  # little-endian: nibbles 2 j (low), 2 j + 1 (high)
+    q = torch.stack((b & 15, b >> 4), dim=-1).permute(0, 2, 3, 1).reshape(k8 * 8, n)  # row 8 m + 2 j + h
+    gs = qw.group_size
+    g = qw.scales.shape[0]
+    if g * gs > q.shape[0]:  # a last partial group: rows of zero codes, cut off below
+        q = torch.nn.functional.pad(q, (0, 0, 0, g * gs - q.shape[0]))
+    zeros = (_unpack_nibbles(qw.qzeros) + 1).float()[:, None, :]
+    w = q[: g * gs].view(g, gs, n).float().sub_(zeros).mul_(qw.scales.float()[:, None, :])
+    return w.view(g * gs, n)[:k].t()
+
+
 def _fp16_at(raw: torch.Tensor, byte: int) -> torch.Tensor:
     """float32 [N, blocks] from the fp16 at ``byte`` of every GGUF block of raw [N, blocks, bytes]."""
     return raw[..., byte : byte + 2].contiguous().view(torch.float16)[..., 0].float()
@@ -231,7 +259,9 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
         w = qw.qweight.float() * qw.scales.float()[:, None]
     elif fmt == "fp8_block":
         w = qw.qweight.float() * qw.scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
-    elif fmt == "int4":
+    elif fmt == "int4" and _in_group_order(qw):
+        w = _int4_in_order(qw)
+    elif fmt == "int4":  # act order: each weight's group gathered
         q, zeros = unpack_int4(qw)
         g = qw.g_idx.long()
         w = ((q - zeros[g]).float() * qw.scales.float()[g]).t()
