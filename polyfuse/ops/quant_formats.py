@@ -264,7 +264,7 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
         w = qw.qweight.float() * qw.scales.repeat_interleave(FP8_BLOCK, dim=1)[:, :k]
     elif fmt == "int4" and _in_group_order(qw):
         w = _int4_in_order(qw)
-    elif fmt == "int4":  # act order: each weight's group gathered
+    elif fmt == "int4":  # act order, or off the CPU: each weight's group gathered
         q, zeros = unpack_int4(qw)
         g = qw.g_idx.long()
         w = ((q - zeros[g]).float() * qw.scales.float()[g]).t()
