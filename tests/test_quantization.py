@@ -96,6 +96,7 @@ def test_int4_in_order_dequantize_equals_the_per_weight_gather(n, k, group):
     gen = torch.Generator().manual_seed(3)
     qw = qf.quantize("int4", torch.randn(n, k, generator=gen), group)
     assert not qw.act_order and qw.scales.shape[0] == -(-k // group) and len(set(qw.scales.flatten().tolist())) > 1
+    assert qf._in_group_order(qw) and not qf._in_group_order(dataclasses.replace(qw, group_size=0))  # both paths run
     q, zeros = qf.unpack_int4(qw)
     g = qw.g_idx.long()
     ref = ((q - zeros[g]).float() * qw.scales.float()[g]).t()
