@@ -208,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT_FILE",
         help="with --quant int4, int8 or fp8: quantize by GPTQ instead of round to nearest, calibrated on this UTF-8 "
         "text (windows of 512 tokens, at most 64): the float model is loaded first, then each projection is "
-        "quantized with its inputs on the text; the same layout and kernels (docs/quantization.md, GPTQ)",
+        "quantized with its inputs on the text; the same layout and kernels. Use text like what the model will "
+        "serve: calibrated on another kind of text GPTQ may do no better than round to nearest "
+        "(docs/quantization.md, GPTQ)",
     )
     # ---- end of quantized weights ----
     return p
