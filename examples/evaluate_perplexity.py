@@ -38,79 +38,147 @@ import torch  # noqa: E402
 from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
 from polyfuse.bench.perplexity import perplexity, token_nll, token_windows  # noqa: E402
-from polyfuse.engine.gptq import calibration_windows  # noqa: E402
+from polyfuse.cli.generate import UsageError, load_cli_tokenizer, pick_device  # noqa: E402
+from polyfuse.engine.gptq import GPTQ_FORMATS, calibration_windows  # noqa: E402
 from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
 
 
 DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independence.txt")
 
 
+FORMATS = ("auto", "none", "gguf") + LOAD_TIME_FORMATS
+SUFFIXES = ("lm_head", "gptq", "a8")
+
+
+def read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{flag} {path}: a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+
+def check_entries(quants: list[str], gguf) -> None:
+    """Every --quant entry, before any model is loaded."""
+    for quant in quants:
+        fmt, *suffixes = quant.split("+")
+        if fmt not in FORMATS:
+            raise UsageError(f"--quant {quant!r}: the format is one of {', '.join(FORMATS)}")
+        if set(suffixes) - set(SUFFIXES) or len(set(suffixes)) != len(suffixes):
+            raise UsageError(f"--quant {quant}: suffixes are +gptq, +lm_head and +a8, each at most once")
+        if fmt == "gguf" and gguf is None:
+            raise UsageError(f"--quant {quant}: keeps a GGUF's tensors as stored; this model is not a GGUF (give "
+                             "--gguf_file)")  # fmt: skip
+        if "gptq" in suffixes and fmt not in GPTQ_FORMATS:
+            raise UsageError(f"--quant {quant}: GPTQ quantizes {', '.join(GPTQ_FORMATS)}")
+        if "lm_head" in suffixes and fmt == "none":
+            raise UsageError(f"--quant {quant}: none keeps every weight float; give the head's format (int8+lm_head)")
+        if "a8" in suffixes and fmt not in A8_FORMATS:
+            raise UsageError(f"--quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats whose one-row GEMV "
+                             "has int8 activations)")  # fmt: skip
+
+
+def check_output(path: str) -> None:
+    """--output: an existing file or a new one in an existing, writable folder (checked before anything runs)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"--output {path}: a folder; give a file to append the JSON lines to")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--output {path}: no such folder {folder}")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise UsageError(f"--output {path}: not writable")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name_or_path", default=None, help="checkpoint folder; default: the built-in model")
     p.add_argument("--gguf_file", default=None)
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder or .gguf file, for a checkpoint without one (save_pretrained writes none)",
+    )
     p.add_argument("--text", default=DEFAULT_TEXT, help="a UTF-8 text file")
     p.add_argument("--quant", default="auto", help="comma list of formats to evaluate, the first is the baseline")
-    p.add_argument("--context", type=int, default=512, help="tokens per window (non-overlapping)")
+    p.add_argument("--context", type=int, default=512, help="tokens per window (non-overlapping), at least 2")
     p.add_argument("--max_tokens", type=int, default=0, help=">0: score only the first tokens of the text")
     p.add_argument("--calibration_text", default=None, help="+gptq: a UTF-8 text file to calibrate on (see above)")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--output", default=None, help="append one JSON line per format here")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hpu"])
+    p.add_argument("--output", default=None,
+                   help="append one JSON line per format here, once every entry has run")  # fmt: skip
     args = p.parse_args(argv)
+    args.token = None  # load_cli_tokenizer's Hub token: local files only here
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"evaluate_perplexity.py: error: {e}", file=sys.stderr)
+        return 2
 
-    from polyfuse.engine.tokenizer import load_tokenizer
+
+def run(args) -> int:
     from polyfuse.models import AutoModelForCausalLM
     from polyfuse.models.builtin import builtin_model
 
+    if args.context < 2:
+        raise UsageError(f"--context must be >= 2 (a window scores its tokens after the first), got {args.context}")
+    if args.max_tokens < 0:
+        raise UsageError(f"--max_tokens must be >= 0 (0: the whole text), got {args.max_tokens}")
+    quants = args.quant.split(",")
     path, gguf = args.model_name_or_path, args.gguf_file
     if path is None and gguf is None:
         path, gguf = builtin_model()
-    tokenizer = load_tokenizer(path, gguf)
-    with open(args.text, encoding="utf-8") as f:
-        ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
+    check_entries(quants, gguf)
+    if args.output:
+        check_output(args.output)
+    device = pick_device(args.device)
+    tokenizer = load_cli_tokenizer(args, path, gguf)
+    ids = torch.tensor(tokenizer(read_text(args.text, "--text"), add_special_tokens=False).input_ids)
     windows = token_windows(ids, args.context, args.max_tokens)
+    if not windows:
+        kept = min(len(ids), args.max_tokens) if args.max_tokens > 0 else len(ids)
+        raise UsageError(f"no tokens to score: {kept} token(s) of --text {args.text} (--max_tokens {args.max_tokens}); "
+                         "a window needs 2")  # fmt: skip
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    quants = args.quant.split(",")
     calibration = None
     if any("+gptq" in q for q in quants):
         if args.calibration_text:
-            try:
-                with open(args.calibration_text, encoding="utf-8") as f:
-                    cal_ids = torch.tensor(tokenizer(f.read(), add_special_tokens=False).input_ids)
-            except (OSError, UnicodeDecodeError) as e:
-                print(f"evaluate_perplexity.py: error: --calibration_text: {e}", file=sys.stderr)
-                return 2
+            text = read_text(args.calibration_text, "--calibration_text")
+            cal_ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+            where = f"--calibration_text {args.calibration_text} has too few (give a longer text)"
         else:
             cal_ids = ids[args.max_tokens :] if args.max_tokens > 0 else ids[:0]
+            where = (
+                "the text after --max_tokens has too few (give --calibration_text, or a smaller --max_tokens)"
+                if args.max_tokens > 0
+                else "give --calibration_text, or --max_tokens below the text's length (the rest calibrates)"
+            )
         calibration = calibration_windows(cal_ids)  # run_generation.py --quant_calibration's windows
         if not calibration:
-            print("evaluate_perplexity.py: error: +gptq needs calibration tokens: give --calibration_text, or "
-                  "--max_tokens below the text's length", file=sys.stderr)  # fmt: skip
-            return 2
-    for quant in quants:  # every entry checked before any model is loaded
-        fmt, *suffixes = quant.split("+")
-        if set(suffixes) - {"lm_head", "gptq", "a8"}:
-            print(f"evaluate_perplexity.py: error: --quant {quant}: suffixes are +gptq, +lm_head and +a8",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        if "a8" in suffixes and fmt not in A8_FORMATS:
-            print(f"evaluate_perplexity.py: error: --quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats "
-                  "whose one-row GEMV has int8 activations)", file=sys.stderr)  # fmt: skip
-            return 2
+            raise UsageError(f"+gptq needs calibration tokens: {where}")
     base = base_nll = None
+    rows = []
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
         head, gptq, a8 = "lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes
-        model = AutoModelForCausalLM.from_pretrained(
-            path, gguf_file=gguf, dtype=dtype, device=args.device,
-            quant="none" if gptq else None if fmt == "auto" else fmt, quant_lm_head=head and gguf is not None,
-        )  # fmt: skip
-        if gptq:  # the float model first: its projections' inputs on the calibration tokens
-            quantize_model_(model, fmt, calibration)
-        if head:  # run_generation.py's --quant_lm_head
-            quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, gguf_file=gguf, dtype=dtype, device=device,
+                quant="none" if gptq else None if fmt == "auto" else fmt, quant_lm_head=head and gguf is not None,
+            )  # fmt: skip
+            if gptq:  # the float model first: its projections' inputs on the calibration tokens
+                quantize_model_(model, fmt, calibration)
+            if head:  # run_generation.py's --quant_lm_head
+                quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
+        except (ValueError, OSError) as e:  # what the loaders raise for a model / format that do not fit
+            raise UsageError(f"--quant {quant}: {e}") from None
         if a8:
             emulate_int8_activations_(model)
         load_s = time.perf_counter() - t0
@@ -128,10 +196,11 @@ def main(argv=None) -> int:
         row["vs_first"] = ppl / base - 1.0
         row["vs_first_se"] = ((nll - base_nll).std() / len(nll) ** 0.5).item() if len(nll) > 1 else 0.0
         print(json.dumps(row), flush=True)
-        if args.output:
-            with open(args.output, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        rows.append(row)
         del model
+    if args.output:  # every row at once: a run stopped by an error leaves the file as it was
+        with open(args.output, "a") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
     return 0
 
 

@@ -1044,6 +1044,58 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--text", "MISSING"], "--text MISSING: no such file"),
+        (["--text", "FOLDER"], "a folder, not a text file"),
+        (["--text", "LATIN1"], "not UTF-8 text"),
+        (["--text", "EMPTY"], "no tokens to score: 0 token(s)"),
+        (["--max_tokens", "1"], "no tokens to score: 1 token(s)"),
+        (["--context", "1"], "--context must be >= 2"),
+        (["--max_tokens", "-5"], "--max_tokens must be >= 0"),
+        (["--quant", "none,foo"], "--quant 'foo': the format is one of auto, none, gguf"),
+        (["--quant", "none,"], "--quant '': the format is one of"),
+        (["--quant", "fp8_block+gptq"], "GPTQ quantizes int4, int8, fp8"),
+        (["--quant", "int4+gptq+gptq"], "each at most once"),
+        (["--quant", "none+lm_head"], "none keeps every weight float"),
+        (["--quant", "int8+gptq", "--calibration_text", "EMPTY"], "EMPTY has too few (give a longer text)"),
+        (["--quant", "int8+gptq"], "+gptq needs calibration tokens: give --calibration_text"),
+        (["--output", "FOLDER"], "--output FOLDER: a folder"),
+        (["--output", "NOFOLDER/rows.jsonl"], "no such folder NOFOLDER"),
+        (["--model_name_or_path", "SAVED"], "has no tokenizer"),
+        (["--quant", "none,auto+lm_head", "--max_tokens", "40", "--context", "20"], "--quant auto+lm_head: "),
+    ],
+)
+def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, args, says):
+    """Bad input: one ``error:`` line, exit 2, and --output untouched (rows are appended once every entry has run:
+    the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
+    the last are refused before a model is loaded. Each of these raised a traceback before (session 30's review)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import evaluate_perplexity
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 8)
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "config.json").write_text("{}")
+    names = {"NOFOLDER": "nofolder", "MISSING": "missing.txt", "FOLDER": "folder", "LATIN1": "latin1.txt",
+             "EMPTY": "empty.txt", "SAVED": "saved"}  # NOFOLDER before FOLDER, which it contains  # fmt: skip
+    for key, name in names.items():
+        args = [a.replace(key, str(tmp_path / name)) for a in args]
+    says = says.replace("EMPTY", str(tmp_path / "empty.txt")).replace("MISSING", str(tmp_path / "missing.txt"))
+    says = says.replace("NOFOLDER", str(tmp_path / "nofolder")).replace("FOLDER", str(tmp_path / "folder"))
+    rows = tmp_path / "rows.jsonl"
+    if "--output" not in args:
+        args += ["--output", str(rows)]
+    assert evaluate_perplexity.main(args) == 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: ") and says in err[0], err
+    assert not rows.exists()
+    assert out.count("perplexity") == (1 if "auto+lm_head" in " ".join(args) else 0)
+
+
 def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, monkeypatch):
     """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
     first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
