@@ -655,8 +655,9 @@ def quantize_lm_head_(model, fmt: Optional[str] = None) -> bool:
                 f"--quant_lm_head: the projections are GGUF blocks kept as stored ({', '.join(sorted(fmts))}) but the "
                 "head is not: a GGUF's head is kept only when loaded with quant_lm_head=True (as --quant_lm_head "
                 f"loads it) from a file with its own output.weight in {'/'.join(GGUF_TYPES)} (not tied to the "
-                "embedding); give a format to pack it in (--quant fp8|fp8_block|int8|int4, which packs the "
-                "projections too), or drop --quant_lm_head"
+                "embedding); give a format to pack it in (--quant fp8|fp8_block|int8|int4 on the GGUF file or a "
+                "float checkpoint, which packs the projections too: a saved checkpoint of kept GGUF blocks cannot "
+                "take one), or drop --quant_lm_head"
             )
         if len(fmts) != 1 or not fmts <= set(LOAD_TIME_FORMATS):
             raise ValueError(
