@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
 from polyfuse.bench.perplexity import perplexity, token_nll, token_windows  # noqa: E402
-from polyfuse.cli.generate import UsageError, load_cli_tokenizer, pick_device  # noqa: E402
+from polyfuse.cli.generate import UsageError, load_cli_tokenizer, pick_device, read_text  # noqa: E402
 from polyfuse.engine.gptq import GPTQ_FORMATS, calibration_windows  # noqa: E402
 from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
 
@@ -48,20 +48,6 @@ DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independen
 
 FORMATS = ("auto", "none", "gguf") + LOAD_TIME_FORMATS
 SUFFIXES = ("lm_head", "gptq", "a8")
-
-
-def read_text(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise UsageError(f"{flag} {path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{flag} {path}: a folder, not a text file") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason})") from None
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
 
 
 def check_entries(quants: list[str], gguf) -> None:

@@ -346,20 +346,27 @@ def refuse_quantized_checkpoint(path: str, gguf) -> None:
             raise UsageError(f"--quant_calibration: {path} is already quantized; GPTQ needs float weights")
 
 
+def read_text(path: str, flag: str) -> str:
+    """A UTF-8 text file's contents, or one UsageError line naming ``flag`` and what is wrong with the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{flag} {path}: a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+
+
 def calibration_windows(where: str, tokenizer) -> list:
     """--quant_calibration's token windows (engine/gptq.calibration_windows: 512 tokens, at most 64), read before the
     model is loaded: a bad file or an empty text fails fast."""
     from polyfuse.engine.gptq import calibration_windows as windows_of
 
-    try:
-        with open(where, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise UsageError(f"--quant_calibration {where}: no such file") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"--quant_calibration {where}: not UTF-8 text ({e.reason})") from None
-    except OSError as e:
-        raise UsageError(f"--quant_calibration {where}: cannot read it ({e.strerror or e})") from None
+    text = read_text(where, "--quant_calibration")
     windows = windows_of(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids))
     if sum(len(w) for w in windows) < 2:
         raise UsageError(f"--quant_calibration {where}: the text has too few tokens")
