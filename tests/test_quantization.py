@@ -1064,13 +1064,15 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
         (["--output", "FOLDER"], "--output FOLDER: a folder"),
         (["--output", "NOFOLDER/rows.jsonl"], "no such folder NOFOLDER"),
         (["--model_name_or_path", "SAVED"], "has no tokenizer"),
+        (["--model_name_or_path", "SAVED", "--quant", "gguf"], "this model is not a GGUF"),
         (["--quant", "none,auto+lm_head", "--max_tokens", "40", "--context", "20"], "--quant auto+lm_head: "),
     ],
 )
 def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, args, says):
     """Bad input: one ``error:`` line, exit 2, and --output untouched (rows are appended once every entry has run:
     the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
-    the last are refused before a model is loaded. Each of these raised a traceback before (session 30's review)."""
+    the last are refused before a model is loaded. Before session 30's review most of these raised a traceback, a
+    negative --max_tokens scored the whole text and an empty --quant entry ran the default load."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
     import evaluate_perplexity
 
