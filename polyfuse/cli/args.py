@@ -212,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
         "serve: calibrated on another kind of text GPTQ may do no better than round to nearest "
         "(docs/quantization.md, GPTQ)",
     )
+    g.add_argument(
+        "--quant_tune_norms",
+        nargs="?",
+        type=int,
+        const=128,
+        default=None,
+        metavar="STEPS",
+        help="with --quant_calibration: after quantizing, fit the RMSNorm weights (the projections stay as packed) "
+        "so that the quantized model's next-token distributions on the calibration text come back toward the float "
+        "model's (KL; STEPS Adam steps of one 512-token window each, default 128); the layout and kernels are "
+        "unchanged and a save carries the tuned norms (docs/quantization.md, Norm tuning)",
+    )
     # ---- end of quantized weights ----
     return p
 

@@ -65,6 +65,12 @@ def validate(args) -> None:
         if args.quant not in GPTQ_FORMATS:
             raise UsageError(f"--quant_calibration: GPTQ needs --quant {', '.join(GPTQ_FORMATS[:-1])} or "
                              f"{GPTQ_FORMATS[-1]}")  # fmt: skip
+    steps = getattr(args, "quant_tune_norms", None)
+    if steps is not None and steps < 1:
+        raise UsageError(f"--quant_tune_norms: STEPS must be >= 1, got {steps}")
+    if steps is not None and not getattr(args, "quant_calibration", None):
+        raise UsageError("--quant_tune_norms: give --quant_calibration TEXT_FILE (the norms are fitted to the float "
+                         "model on that text)")  # fmt: skip
 
 
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
@@ -317,13 +323,17 @@ def load(args, device, flags):
         tokenizer = load_cli_tokenizer(args, path, gguf)
         windows = calibration_windows(calibration, tokenizer)
     quant = "none" if calibration else getattr(args, "quant", None)  # GPTQ starts from the float model
+    tune = bool(calibration) and getattr(args, "quant_tune_norms", None) is not None  # the head is packed after it
     with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
-            quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False)), **progress,
+            quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False) and not tune), **progress,
         )  # fmt: skip
     if calibration:
+        targets = float_targets(model, windows) if tune else None  # before the float weights are gone
         gptq_quantize(model, args.quant, windows)
+        if tune:
+            tune_norms(model, windows, targets, args.quant_tune_norms)
     if getattr(args, "quant_lm_head", False):
         from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
@@ -386,6 +396,37 @@ def gptq_quantize(model, fmt: str, windows: list) -> None:
         raise UsageError("--quant_calibration: out of memory during GPTQ: one decoder layer's K x K float32 input "
                          "Hessians are held at once beside the float model (Llama-3-8B: about 1 GB; 70B: about 4 "
                          "GB)") from None  # fmt: skip
+
+
+def float_targets(model, windows: list) -> list:
+    """--quant_tune_norms' targets: the float model's final-norm outputs on the calibration windows."""
+    from polyfuse.engine.norm_tuning import norm_targets
+
+    try:
+        return norm_targets(model, windows)
+    except ValueError as e:
+        raise UsageError(f"--quant_tune_norms: {e}") from None
+    except torch.OutOfMemoryError:
+        raise UsageError("--quant_tune_norms: out of memory keeping the float model's final hidden states on the "
+                         "calibration text (windows x 512 x hidden size); give a shorter --quant_calibration text"
+                         ) from None  # fmt: skip
+
+
+def tune_norms(model, windows: list, targets: list, steps: int) -> None:
+    """--quant_tune_norms: the quantized model's norms fitted to ``targets``; the KL before and after on stderr."""
+    from polyfuse.engine.norm_tuning import tune_norms_, tuned_norm_count
+
+    try:
+        kl = tune_norms_(model, windows, targets, steps)
+    except ValueError as e:
+        raise UsageError(f"--quant_tune_norms: {e}") from None
+    except torch.OutOfMemoryError:
+        raise UsageError("--quant_tune_norms: out of memory in the backward through the quantized model (one "
+                         "window of 512 tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
+    kept = "" if kl["tuned"] else " (it rose: the norms are kept as they were)"
+    print(f"--quant_tune_norms: {tuned_norm_count(model)} norm weights fitted in {steps} steps; KL to the float "
+          f"model on the calibration text {kl['before']:.4f} -> {kl['after']:.4f} per token{kept}",
+          file=sys.stderr)  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:
