@@ -175,6 +175,19 @@ def test_evaluate_perplexity_norms_on_the_builtin_model(builtin, capsys, monkeyp
     assert after < 0.7 * before, tuned
 
 
+def test_cli_quant_tune_norms_refuses_tensor_parallelism(monkeypatch):
+    """Under torchrun's world (WORLD_SIZE > 1) --quant_tune_norms is refused before anything loads: the tuning's
+    backward runs on one device (the vocab-parallel logits' all-reduce has none)."""
+    from polyfuse.cli.args import build_parser
+    from polyfuse.cli.generate import UsageError, validate
+
+    args = build_parser().parse_args(["--quant", "int4", "--quant_calibration", "x.txt", "--quant_tune_norms"])
+    validate(args)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UsageError, match="norm tuning runs on one device, not under torchrun's tensor parallelism"):
+        validate(args)
+
+
 def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     """run_generation.py --quant_tune_norms [STEPS]: without --quant_calibration, or with STEPS < 1, one error line;
     with both the built-in model is quantized by GPTQ, its norms tuned (the KL line on stderr falls), the head packed
@@ -203,3 +216,34 @@ def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     assert "norm weights fitted in 4 steps" in line[0] and "kept as they were" not in line[0], line
     before, after = (float(v) for v in line[0].split("calibration text ")[1].split(" per token")[0].split(" -> "))
     assert after < before, line
+
+
+# ---- NVIDIA (make test-cuda) ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+def test_cuda_norm_tuning_bf16(builtin):
+    """On the GPU in bf16 with CUDA graphs and flash attention: the built-in model in int4 (round to nearest), its
+    norms tuned 16 steps on the Declaration's last 423 tokens through the training kernels (the quantized matmuls'
+    references); the KL on the window falls, the run's kernels are back (the one-row decode on the Triton GEMV) and
+    greedy decoding runs. Not yet run on a GPU (written in session 31, when none was lent)."""
+    from polyfuse.engine.gptq import calibration_windows
+    from polyfuse.engine.tokenizer import load_tokenizer
+
+    path, gguf = builtin
+    tokenizer = load_tokenizer(path, gguf)
+    text = open(os.path.join(ROOT, "examples", "data", "declaration_of_independence.txt")).read()
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
+    windows = calibration_windows(ids[1280:])
+    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.bfloat16, device="cuda",
+                                                 flags=flags, quant="none")  # fmt: skip
+    targets = norm_targets(model, windows)
+    quantize_model_(model, "int4")
+    kernels = model.kernels
+    result = tune_norms_(model, windows, targets, steps=16)
+    assert result["tuned"] and result["after"] < 0.7 * result["before"], result
+    assert model.kernels is kernels and kernels.choices["linear_q"].implementation.name != "native"
+    prompt = torch.tensor([[1, 504, 3458, 282, 4649, 314, 1345, 30]], device="cuda")
+    out = model.generate(prompt, max_new_tokens=8, ignore_eos=True)
+    assert out.shape == (1, 16)

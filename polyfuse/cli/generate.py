@@ -15,6 +15,7 @@ import time
 import torch
 
 from polyfuse.cli.args import FLAG_NAMES, build_parser
+from polyfuse.distributed.context import world_size_from_env
 from polyfuse.distributed.launch import distributed_entry
 
 
@@ -68,6 +69,9 @@ def validate(args) -> None:
     steps = getattr(args, "quant_tune_norms", None)
     if steps is not None and steps < 1:
         raise UsageError(f"--quant_tune_norms: STEPS must be >= 1, got {steps}")
+    if steps is not None and world_size_from_env() > 1:
+        raise UsageError("--quant_tune_norms: norm tuning runs on one device, not under torchrun's tensor parallelism "
+                         "(tune and save_pretrained on one device, then load that checkpoint sharded)")  # fmt: skip
     if steps is not None and not getattr(args, "quant_calibration", None):
         raise UsageError("--quant_tune_norms: give --quant_calibration TEXT_FILE (the norms are fitted to the float "
                          "model on that text)")  # fmt: skip

@@ -57,7 +57,8 @@ def norm_weights(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def _check(model, windows: list) -> None:
     if getattr(model, "vocab", None) is not None:
-        raise ValueError("norm tuning runs on one device: tune the norms before sharding (tensor parallelism)")
+        raise ValueError("norm tuning runs on one device, not under tensor parallelism (tune and save_pretrained "
+                         "on one device, then load that checkpoint sharded)")  # fmt: skip
     if not windows or any(w.numel() < 2 for w in windows):
         raise ValueError("norm tuning needs calibration windows of at least 2 tokens")
     if not norm_weights(model):
