@@ -12,8 +12,8 @@ Q4_K/Q5_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized 
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
 (512 tokens, at most 64, whatever --context is); "+norms" (int4+norms, int4+gptq+norms, ...) then fits the RMSNorm
-weights to the float model on the same windows, as --quant_tune_norms (the row's norm_kl: the KL per token to the
-float model there, before and after). The first entry is the baseline the others are compared with. "+a8" (int4+a8,
+weights to the float model on the same windows, as --quant_tune_norms (--norm_steps; the row's norm_kl: the KL per
+token to the float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the baseline the others are compared with. "+a8" (int4+a8,
 gguf+a8) scores int4 (a GGUF's kept weights) with the projections' activations quantized to int8 in blocks of 32, as
 the one-row decode computes them with POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position,
 teacher-forced: polyfuse/bench/act_int8.py). The default text is the Declaration of
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--calibration_text", default=None, help="+gptq, +norms: a UTF-8 text file to calibrate on (see above)"
     )
-    p.add_argument("--norm_steps", type=int, default=NORM_STEPS, help="+norms: Adam steps (one window each)")
+    p.add_argument("--norm_steps", type=int, default=None, help=f"+norms: Adam steps, one window each ({NORM_STEPS})")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hpu"])
     p.add_argument("--output", default=None,
@@ -123,8 +123,10 @@ def run(args) -> int:
 
     if args.context < 2:
         raise UsageError(f"--context must be >= 2 (a window scores its tokens after the first), got {args.context}")
-    if args.norm_steps < 1:
+    if args.norm_steps is not None and args.norm_steps < 1:
         raise UsageError(f"--norm_steps must be >= 1, got {args.norm_steps}")
+    if args.norm_steps is not None and not any("+norms" in q for q in args.quant.split(",")):
+        raise UsageError("--norm_steps: no --quant entry has +norms (int4+norms, ...)")
     if args.max_tokens < 0:
         raise UsageError(f"--max_tokens must be >= 0 (0: the whole text), got {args.max_tokens}")
     quants = args.quant.split(",")
@@ -176,7 +178,7 @@ def run(args) -> int:
             if gptq or norms:  # the float model first: its projections' inputs on the calibration tokens
                 quantize_model_(model, fmt, calibration if gptq else None)
             if norms:  # run_generation.py's --quant_tune_norms
-                kl = tune_norms_(model, calibration, targets, args.norm_steps)
+                kl = tune_norms_(model, calibration, targets, args.norm_steps or NORM_STEPS)
             if head:  # run_generation.py's --quant_lm_head
                 quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
         except (ValueError, OSError) as e:  # what the loaders raise for a model / format that do not fit
@@ -195,6 +197,7 @@ def run(args) -> int:
                "device": args.device, "load_s": round(load_s, 2), "eval_s": round(eval_s, 2)}  # fmt: skip
         if kl is not None:
             row["norm_kl"] = [round(kl["before"], 5), round(kl["after"], 5)]
+            row["norm_kl_windows"] = kl["held_out"] or 1  # the held-out windows that judged (one: the only one)
         if base is None:
             base, base_nll = ppl, nll
         row["vs_first"] = ppl / base - 1.0

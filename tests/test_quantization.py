@@ -1064,6 +1064,7 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
         (["--quant", "int4+norms"], "+gptq and +norms need calibration tokens: give --calibration_text"),
         (["--quant", "none,gguf+norms"], "+norms tunes the norms of a model quantized at load"),
         (["--quant", "int4+norms", "--norm_steps", "0"], "--norm_steps must be >= 1"),
+        (["--quant", "int4,int4+gptq", "--norm_steps", "4"], "--norm_steps: no --quant entry has +norms"),
         (["--output", "FOLDER"], "--output FOLDER: a folder"),
         (["--output", "NOFOLDER/rows.jsonl"], "no such folder NOFOLDER"),
         (["--model_name_or_path", "SAVED"], "has no tokenizer"),

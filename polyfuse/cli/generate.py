@@ -427,10 +427,10 @@ def tune_norms(model, windows: list, targets: list, steps: int) -> None:
     except torch.OutOfMemoryError:
         raise UsageError("--quant_tune_norms: out of memory in the backward through the quantized model (one "
                          "window of 512 tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
-    kept = "" if kl["tuned"] else " (it rose: the norms are kept as they were)"
+    kept = "" if kl["tuned"] else " (no pass lowered it: the norms are kept as they were)"
+    where = f"{kl['held_out']} held-out calibration window(s)" if kl["held_out"] else "the calibration window"
     print(f"--quant_tune_norms: {tuned_norm_count(model)} norm weights fitted in {steps} steps; KL to the float "
-          f"model on the calibration text {kl['before']:.4f} -> {kl['after']:.4f} per token{kept}",
-          file=sys.stderr)  # fmt: skip
+          f"model on {where} {kl['before']:.4f} -> {kl['after']:.4f} per token{kept}", file=sys.stderr)  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:
