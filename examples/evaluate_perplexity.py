@@ -13,11 +13,11 @@ int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated o
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
 (512 tokens, at most 64, whatever --context is); "+norms" (int4+norms, int4+gptq+norms, ...) then fits the RMSNorm
 weights to the float model on the same windows, as --quant_tune_norms (--norm_steps; the row's norm_kl: the KL per
-token to the float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the baseline the others are compared with. "+a8" (int4+a8,
-gguf+a8) scores int4 (a GGUF's kept weights) with the projections' activations quantized to int8 in blocks of 32, as
-the one-row decode computes them with POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position,
-teacher-forced: polyfuse/bench/act_int8.py). The default text is the Declaration of
-Independence (public domain, examples/data/declaration_of_independence.txt).
+token to the float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the
+baseline the others are compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with the
+projections' activations quantized to int8 in blocks of 32, as the one-row decode computes them with
+POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position, teacher-forced: polyfuse/bench/act_int8.py). The
+default text is the Declaration of Independence (public domain, examples/data/declaration_of_independence.txt).
 
 Each JSON line has vs_first (perplexity / the first entry's - 1) and vs_first_se, its standard error from the tokens'
 own losses: std(this entry's per-token loss - the first entry's) / sqrt(tokens). A vs_first within about two of
