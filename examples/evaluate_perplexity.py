@@ -12,8 +12,9 @@ Q4_K/Q5_K/Q6_K tensors kept as stored; fp8 | fp8_block | int8 | int4: quantized 
 int8+gptq, fp8+gptq) quantizes by GPTQ instead of round to nearest, calibrated on --calibration_text (default: the
 scored text's tokens after --max_tokens, which are not scored) in run_generation.py --quant_calibration's windows
 (512 tokens, at most 64, whatever --context is); "+norms" (int4+norms, int4+gptq+norms, ...) then fits the RMSNorm
-weights to the float model on the same windows, as --quant_tune_norms (--norm_steps; the row's norm_kl: the KL per
-token to the float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the
+weights to the float model on the same windows, as --quant_tune_norms, "+scales" the quantized projections' scales, as
+--quant_tune_scales, both together with "+norms+scales" (--norm_steps; the row's norm_kl: the KL per token to the
+float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the
 baseline the others are compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with the
 projections' activations quantized to int8 in blocks of 32, as the one-row decode computes them with
 POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position, teacher-forced: polyfuse/bench/act_int8.py). The
@@ -50,7 +51,7 @@ DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independen
 
 
 FORMATS = ("auto", "none", "gguf") + LOAD_TIME_FORMATS
-SUFFIXES = ("lm_head", "gptq", "norms", "a8")
+SUFFIXES = ("lm_head", "gptq", "norms", "scales", "a8")
 
 
 def check_entries(quants: list[str], gguf) -> None:
@@ -60,15 +61,17 @@ def check_entries(quants: list[str], gguf) -> None:
         if fmt not in FORMATS:
             raise UsageError(f"--quant {quant!r}: the format is one of {', '.join(FORMATS)}")
         if set(suffixes) - set(SUFFIXES) or len(set(suffixes)) != len(suffixes):
-            raise UsageError(f"--quant {quant}: suffixes are +gptq, +norms, +lm_head and +a8, each at most once")
+            raise UsageError(f"--quant {quant}: suffixes are +gptq, +norms, +scales, +lm_head and +a8, each at most "
+                             "once")  # fmt: skip
         if fmt == "gguf" and gguf is None:
             raise UsageError(f"--quant {quant}: keeps a GGUF's tensors as stored; this model is not a GGUF (give "
                              "--gguf_file)")  # fmt: skip
         if "gptq" in suffixes and fmt not in GPTQ_FORMATS:
             raise UsageError(f"--quant {quant}: GPTQ quantizes {', '.join(GPTQ_FORMATS)}")
-        if "norms" in suffixes and fmt not in LOAD_TIME_FORMATS:
-            raise UsageError(f"--quant {quant}: +norms tunes the norms of a model quantized at load "
-                             f"({', '.join(LOAD_TIME_FORMATS)})")  # fmt: skip
+        for tuned in {"norms", "scales"} & set(suffixes):
+            if fmt not in LOAD_TIME_FORMATS:
+                raise UsageError(f"--quant {quant}: +{tuned} tunes the {tuned} of a model quantized at load "
+                                 f"({', '.join(LOAD_TIME_FORMATS)})")  # fmt: skip
         if "lm_head" in suffixes and fmt == "none":
             raise UsageError(f"--quant {quant}: none keeps every weight float; give the head's format (int8+lm_head)")
         if "a8" in suffixes and fmt not in A8_FORMATS:
@@ -101,9 +104,13 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="tokens per window (non-overlapping), at least 2")
     p.add_argument("--max_tokens", type=int, default=0, help=">0: score only the first tokens of the text")
     p.add_argument(
-        "--calibration_text", default=None, help="+gptq, +norms: a UTF-8 text file to calibrate on (see above)"
+        "--calibration_text",
+        default=None,
+        help="+gptq, +norms, +scales: a UTF-8 text file to calibrate on (see above)",
     )
-    p.add_argument("--norm_steps", type=int, default=None, help=f"+norms: Adam steps, one window each ({NORM_STEPS})")
+    p.add_argument(
+        "--norm_steps", type=int, default=None, help=f"+norms, +scales: Adam steps, one window each ({NORM_STEPS})"
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hpu"])
     p.add_argument("--output", default=None,
@@ -125,8 +132,8 @@ def run(args) -> int:
         raise UsageError(f"--context must be >= 2 (a window scores its tokens after the first), got {args.context}")
     if args.norm_steps is not None and args.norm_steps < 1:
         raise UsageError(f"--norm_steps must be >= 1, got {args.norm_steps}")
-    if args.norm_steps is not None and not any("+norms" in q for q in args.quant.split(",")):
-        raise UsageError("--norm_steps: no --quant entry has +norms (int4+norms, ...)")
+    if args.norm_steps is not None and not any("+norms" in q or "+scales" in q for q in args.quant.split(",")):
+        raise UsageError("--norm_steps: no --quant entry has +norms or +scales (int4+norms, ...)")
     if args.max_tokens < 0:
         raise UsageError(f"--max_tokens must be >= 0 (0: the whole text), got {args.max_tokens}")
     quants = args.quant.split(",")
@@ -146,7 +153,7 @@ def run(args) -> int:
                          "a window needs 2")  # fmt: skip
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     calibration = None
-    if any("+gptq" in q or "+norms" in q for q in quants):
+    if any("+gptq" in q or "+norms" in q or "+scales" in q for q in quants):
         if args.calibration_text:
             text = read_text(args.calibration_text, "--calibration_text")
             cal_ids = torch.tensor(tokenizer(text, add_special_tokens=False).input_ids)
@@ -160,25 +167,28 @@ def run(args) -> int:
             )
         calibration = calibration_windows(cal_ids)  # run_generation.py --quant_calibration's windows
         if not calibration:
-            raise UsageError(f"+gptq and +norms need calibration tokens: {where}")
+            raise UsageError(f"+gptq, +norms and +scales need calibration tokens: {where}")
     base = base_nll = None
     rows = []
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
-        head, gptq, norms, a8 = ("lm_head" in suffixes, "gptq" in suffixes, "norms" in suffixes, "a8" in suffixes)
+        head, gptq, a8 = ("lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes)
+        scales = "scales" in suffixes
+        tune = "norms" in suffixes or scales
         kl = None
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, gguf_file=gguf, dtype=dtype, device=device,
-                quant="none" if gptq or norms else None if fmt == "auto" else fmt,
-                quant_lm_head=head and gguf is not None and not norms,  # norm tuning needs the float head
+                quant="none" if gptq or tune else None if fmt == "auto" else fmt,
+                quant_lm_head=head and gguf is not None and not tune,  # tuning needs the float head
             )  # fmt: skip
-            targets = norm_targets(model, calibration) if norms else None  # the float model's, on the same windows
-            if gptq or norms:  # the float model first: its projections' inputs on the calibration tokens
+            targets = norm_targets(model, calibration) if tune else None  # the float model's, on the same windows
+            if gptq or tune:  # the float model first: its projections' inputs on the calibration tokens
                 quantize_model_(model, fmt, calibration if gptq else None)
-            if norms:  # run_generation.py's --quant_tune_norms
-                kl = tune_norms_(model, calibration, targets, args.norm_steps or NORM_STEPS)
+            if tune:  # run_generation.py's --quant_tune_norms / --quant_tune_scales
+                steps = args.norm_steps or NORM_STEPS
+                kl = tune_norms_(model, calibration, targets, steps, norms="norms" in suffixes, scales=scales)
             if head:  # run_generation.py's --quant_lm_head
                 quantize_lm_head_(model, fmt if fmt in LOAD_TIME_FORMATS else None)
         except (ValueError, OSError) as e:  # what the loaders raise for a model / format that do not fit
@@ -193,7 +203,7 @@ def run(args) -> int:
         # numbers recorded in docs/ came from it, without a [tokens, vocab] logits tensor)
         nll = token_nll(model, windows).double()
         row = {"quant": quant, "perplexity": ppl, "tokens": n, "context": args.context, "dtype": str(dtype)[6:],
-               "calibration_tokens": sum(len(w) for w in calibration) if gptq or norms else 0,
+               "calibration_tokens": sum(len(w) for w in calibration) if gptq or tune else 0,
                "device": args.device, "load_s": round(load_s, 2), "eval_s": round(eval_s, 2)}  # fmt: skip
         if kl is not None:
             row["norm_kl"] = [round(kl["before"], 5), round(kl["after"], 5)]

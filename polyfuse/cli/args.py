@@ -3,6 +3,14 @@
 import argparse
 
 
+class DefaultSteps(int):
+    """--quant_tune_norms / --quant_tune_scales given without STEPS: the library's NORM_STEPS (128; not imported, so
+    that this file needs no torch), told apart from an explicit 128 so that the other flag's STEPS can win."""
+
+
+TUNE_STEPS = DefaultSteps(128)
+
+
 def _bool_or_none(value):
     v = str(value).lower()
     if v in ("1", "true", "yes", "y", "on"):
@@ -216,13 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant_tune_norms",
         nargs="?",
         type=int,
-        const=128,
+        const=TUNE_STEPS,
         default=None,
         metavar="STEPS",
         help="with --quant_calibration: after quantizing, fit the RMSNorm weights (the projections stay as packed) "
         "so that the quantized model's next-token distributions on the calibration text come back toward the float "
         "model's (KL; STEPS Adam steps of one 512-token window each, default 128); the layout and kernels are "
         "unchanged and a save carries the tuned norms (docs/quantization.md, Norm tuning)",
+    )
+    g.add_argument(
+        "--quant_tune_scales",
+        nargs="?",
+        type=int,
+        const=TUNE_STEPS,
+        default=None,
+        metavar="STEPS",
+        help="with --quant_calibration: fit the quantized projections' scales the same way (each scale by a factor; "
+        "the integer codes and zero points stay as packed; default 128 steps); with --quant_tune_norms the norms and "
+        "scales together, in the steps given to either; the layout and kernels are unchanged (docs/quantization.md, "
+        "Norm tuning)",
     )
     # ---- end of quantized weights ----
     return p

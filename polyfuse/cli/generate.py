@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from polyfuse.cli.args import FLAG_NAMES, build_parser
+from polyfuse.cli.args import FLAG_NAMES, DefaultSteps, build_parser
 from polyfuse.distributed.context import world_size_from_env
 from polyfuse.distributed.launch import distributed_entry
 
@@ -66,15 +66,21 @@ def validate(args) -> None:
         if args.quant not in GPTQ_FORMATS:
             raise UsageError(f"--quant_calibration: GPTQ needs --quant {', '.join(GPTQ_FORMATS[:-1])} or "
                              f"{GPTQ_FORMATS[-1]}")  # fmt: skip
-    steps = getattr(args, "quant_tune_norms", None)
-    if steps is not None and steps < 1:
-        raise UsageError(f"--quant_tune_norms: STEPS must be >= 1, got {steps}")
-    if steps is not None and world_size_from_env() > 1:
-        raise UsageError("--quant_tune_norms: norm tuning runs on one device, not under torchrun's tensor parallelism "
-                         "(tune and save_pretrained on one device, then load that checkpoint sharded)")  # fmt: skip
-    if steps is not None and not getattr(args, "quant_calibration", None):
-        raise UsageError("--quant_tune_norms: give --quant_calibration TEXT_FILE (the norms are fitted to the float "
-                         "model on that text)")  # fmt: skip
+    norms, scales = getattr(args, "quant_tune_norms", None), getattr(args, "quant_tune_scales", None)
+    for flag, steps in (("--quant_tune_norms", norms), ("--quant_tune_scales", scales)):
+        if steps is None:
+            continue
+        if steps < 1:
+            raise UsageError(f"{flag}: STEPS must be >= 1, got {steps}")
+        if world_size_from_env() > 1:
+            raise UsageError(f"{flag}: tuning runs on one device, not under torchrun's tensor parallelism (tune and "
+                             "save_pretrained on one device, then load that checkpoint sharded)")  # fmt: skip
+        if not getattr(args, "quant_calibration", None):
+            raise UsageError(f"{flag}: give --quant_calibration TEXT_FILE (the model is fitted to the float model on "
+                             "that text)")  # fmt: skip
+    if len({s for s in (norms, scales) if s is not None and not isinstance(s, DefaultSteps)}) > 1:
+        raise UsageError(f"--quant_tune_norms {norms} and --quant_tune_scales {scales}: the norms and scales are tuned "
+                         "together, in one set of steps; give STEPS to one of them")  # fmt: skip
 
 
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
@@ -327,17 +333,19 @@ def load(args, device, flags):
         tokenizer = load_cli_tokenizer(args, path, gguf)
         windows = calibration_windows(calibration, tokenizer)
     quant = "none" if calibration else getattr(args, "quant", None)  # GPTQ starts from the float model
-    tune = bool(calibration) and getattr(args, "quant_tune_norms", None) is not None  # the head is packed after it
+    steps = tune_steps(args) if calibration else None
+    tune = steps is not None  # the head is packed after it
+    what = tuple(getattr(args, f, None) is not None for f in ("quant_tune_norms", "quant_tune_scales"))
     with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
             quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False) and not tune), **progress,
         )  # fmt: skip
     if calibration:
-        targets = float_targets(model, windows) if tune else None  # before the float weights are gone
+        targets = float_targets(model, windows, tune_flag(*what)) if tune else None  # before the float weights go
         gptq_quantize(model, args.quant, windows)
         if tune:
-            tune_norms(model, windows, targets, args.quant_tune_norms)
+            tune_norms(model, windows, targets, steps, *what)
     if getattr(args, "quant_lm_head", False):
         from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
@@ -402,35 +410,50 @@ def gptq_quantize(model, fmt: str, windows: list) -> None:
                          "GB)") from None  # fmt: skip
 
 
-def float_targets(model, windows: list) -> list:
-    """--quant_tune_norms' targets: the float model's final-norm outputs on the calibration windows."""
+def tune_steps(args):
+    """The steps of --quant_tune_norms / --quant_tune_scales (with both, the one given STEPS), or None."""
+    flags = (getattr(args, "quant_tune_norms", None), getattr(args, "quant_tune_scales", None))
+    given = [s for s in flags if s is not None]
+    return min(given, key=lambda s: isinstance(s, DefaultSteps)) if given else None
+
+
+def tune_flag(norms: bool, scales: bool) -> str:
+    """The flag(s) a tuning's messages name."""
+    return "/".join(f for f, on in (("--quant_tune_norms", norms), ("--quant_tune_scales", scales)) if on)
+
+
+def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> list:
+    """The tuning's targets: the float model's final-norm outputs on the calibration windows."""
     from polyfuse.engine.norm_tuning import norm_targets
 
     try:
         return norm_targets(model, windows)
     except ValueError as e:
-        raise UsageError(f"--quant_tune_norms: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
     except torch.OutOfMemoryError:
-        raise UsageError("--quant_tune_norms: out of memory keeping the float model's final hidden states on the "
-                         "calibration text (windows x 512 x hidden size); give a shorter --quant_calibration text"
-                         ) from None  # fmt: skip
+        raise UsageError(f"{flag}: out of memory keeping the float model's final hidden states on the calibration "
+                         "text (windows x 512 x hidden size); give a shorter --quant_calibration text") from None  # fmt: skip
 
 
-def tune_norms(model, windows: list, targets: list, steps: int) -> None:
-    """--quant_tune_norms: the quantized model's norms fitted to ``targets``; the KL before and after on stderr."""
-    from polyfuse.engine.norm_tuning import tune_norms_, tuned_norm_count
+def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False) -> None:
+    """--quant_tune_norms / --quant_tune_scales: the quantized model's norms and / or scales fitted to ``targets``;
+    what moved and the KL before and after on stderr."""
+    from polyfuse.engine.norm_tuning import tune_norms_, tuned_norm_count, tuned_scale_count
 
+    flag = tune_flag(norms, scales)
     try:
-        kl = tune_norms_(model, windows, targets, steps)
+        kl = tune_norms_(model, windows, targets, steps, norms=norms, scales=scales)
     except ValueError as e:
-        raise UsageError(f"--quant_tune_norms: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
     except torch.OutOfMemoryError:
-        raise UsageError("--quant_tune_norms: out of memory in the backward through the quantized model (one "
-                         "window of 512 tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
-    kept = "" if kl["tuned"] else " (no pass lowered it: the norms are kept as they were)"
+        raise UsageError(f"{flag}: out of memory in the backward through the quantized model (one window of 512 "
+                         "tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
+    what = " and ".join(f"{n} {kind}" for n, kind, on in (
+        (tuned_norm_count(model), "norm weights", norms), (tuned_scale_count(model), "scales", scales)) if on)  # fmt: skip
+    kept = "" if kl["tuned"] else " (no pass lowered it: kept as they were)"
     where = f"{kl['held_out']} held-out calibration window(s)" if kl["held_out"] else "the calibration window"
-    print(f"--quant_tune_norms: {tuned_norm_count(model)} norm weights fitted in {steps} steps; KL to the float "
-          f"model on {where} {kl['before']:.4f} -> {kl['after']:.4f} per token{kept}", file=sys.stderr)  # fmt: skip
+    print(f"{flag}: {what} fitted in {steps} steps; KL to the float model on {where} {kl['before']:.4f} -> "
+          f"{kl['after']:.4f} per token{kept}", file=sys.stderr)  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:
