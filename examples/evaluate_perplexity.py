@@ -68,8 +68,8 @@ def check_entries(quants: list[str], gguf) -> None:
                              "--gguf_file)")  # fmt: skip
         if "gptq" in suffixes and fmt not in GPTQ_FORMATS:
             raise UsageError(f"--quant {quant}: GPTQ quantizes {', '.join(GPTQ_FORMATS)}")
-        for tuned in {"norms", "scales"} & set(suffixes):
-            if fmt not in LOAD_TIME_FORMATS:
+        for tuned in ("norms", "scales"):
+            if tuned in suffixes and fmt not in LOAD_TIME_FORMATS:
                 raise UsageError(f"--quant {quant}: +{tuned} tunes the {tuned} of a model quantized at load "
                                  f"({', '.join(LOAD_TIME_FORMATS)})")  # fmt: skip
         if "lm_head" in suffixes and fmt == "none":

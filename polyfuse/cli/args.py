@@ -227,10 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
         const=TUNE_STEPS,
         default=None,
         metavar="STEPS",
-        help="with --quant_calibration: after quantizing, fit the RMSNorm weights (the projections stay as packed) "
-        "so that the quantized model's next-token distributions on the calibration text come back toward the float "
-        "model's (KL; STEPS Adam steps of one 512-token window each, default 128); the layout and kernels are "
-        "unchanged and a save carries the tuned norms (docs/quantization.md, Norm tuning)",
+        help="with --quant_calibration: after quantizing, fit the RMSNorm weights (the projections stay as packed; "
+        "--quant_tune_scales fits their scales) so that the quantized model's next-token distributions on the "
+        "calibration text come back toward the float model's (KL; STEPS Adam steps of one 512-token window each, "
+        "default 128); the layout and kernels are unchanged and a save carries the tuned norms (docs/quantization.md, "
+        "Norm tuning)",
     )
     g.add_argument(
         "--quant_tune_scales",
@@ -240,9 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="STEPS",
         help="with --quant_calibration: fit the quantized projections' scales the same way (each scale by a factor; "
-        "the integer codes and zero points stay as packed; default 128 steps); with --quant_tune_norms the norms and "
-        "scales together, in the steps given to either; the layout and kernels are unchanged (docs/quantization.md, "
-        "Norm tuning)",
+        "the codes and int4's zero points stay as packed; default 128 steps); with --quant_tune_norms the norms and "
+        "scales together, in the STEPS given to either (two different STEPS are an error); the layout and kernels "
+        "are unchanged and a save carries the tuned scales (docs/quantization.md, Scale tuning)",
     )
     # ---- end of quantized weights ----
     return p

@@ -79,8 +79,8 @@ def validate(args) -> None:
             raise UsageError(f"{flag}: give --quant_calibration TEXT_FILE (the model is fitted to the float model on "
                              "that text)")  # fmt: skip
     if len({s for s in (norms, scales) if s is not None and not isinstance(s, DefaultSteps)}) > 1:
-        raise UsageError(f"--quant_tune_norms {norms} and --quant_tune_scales {scales}: the norms and scales are tuned "
-                         "together, in one set of steps; give STEPS to one of them")  # fmt: skip
+        raise UsageError(f"--quant_tune_norms {norms} and --quant_tune_scales {scales}: the norms and scales are "
+                         "tuned together, in one set of steps; give STEPS to one of them")  # fmt: skip
 
 
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
@@ -432,7 +432,8 @@ def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> lis
         raise UsageError(f"{flag}: {e}") from None
     except torch.OutOfMemoryError:
         raise UsageError(f"{flag}: out of memory keeping the float model's final hidden states on the calibration "
-                         "text (windows x 512 x hidden size); give a shorter --quant_calibration text") from None  # fmt: skip
+                         "text (windows x 512 x hidden size); give a shorter --quant_calibration text"
+                         ) from None  # fmt: skip
 
 
 def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False) -> None:
@@ -448,8 +449,8 @@ def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = Tr
     except torch.OutOfMemoryError:
         raise UsageError(f"{flag}: out of memory in the backward through the quantized model (one window of 512 "
                          "tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
-    what = " and ".join(f"{n} {kind}" for n, kind, on in (
-        (tuned_norm_count(model), "norm weights", norms), (tuned_scale_count(model), "scales", scales)) if on)  # fmt: skip
+    counts = ((tuned_norm_count(model), "norm weights", norms), (tuned_scale_count(model), "scales", scales))
+    what = " and ".join(f"{n} {kind}" for n, kind, on in counts if on)
     kept = "" if kl["tuned"] else " (no pass lowered it: kept as they were)"
     where = f"{kl['held_out']} held-out calibration window(s)" if kl["held_out"] else "the calibration window"
     print(f"{flag}: {what} fitted in {steps} steps; KL to the float model on {where} {kl['before']:.4f} -> "

@@ -79,10 +79,10 @@ def norm_weights(model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def _check(model, windows: list) -> None:
     if getattr(model, "vocab", None) is not None:
-        raise ValueError("norm tuning runs on one device, not under tensor parallelism (tune and save_pretrained "
+        raise ValueError("tuning runs on one device, not under tensor parallelism (tune and save_pretrained "
                          "on one device, then load that checkpoint sharded)")  # fmt: skip
     if not windows or any(w.numel() < 2 for w in windows):
-        raise ValueError("norm tuning needs calibration windows of at least 2 tokens")
+        raise ValueError("tuning needs calibration windows of at least 2 tokens")
     if not norm_weights(model):
         raise ValueError(f"norm tuning: a {type(model).__name__} has no RMSNorm weights")
 
@@ -130,9 +130,9 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     if len(targets) != len(windows):
         raise ValueError(f"tune_norms_: {len(targets)} targets for {len(windows)} windows")
     if isinstance(model.lm_head, QLinear):
-        raise ValueError("norm tuning needs the float LM head (its targets are made by it): quantize the head after")
-    if steps < 1 or not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"tune_norms_: steps >= 1 and a finite lr > 0, got {steps} and {lr}")
+        raise ValueError("tuning needs the float LM head (its targets are made by it): quantize the head after")
+    if steps < 1 or not (lr > 0 and math.isfinite(lr)) or not (scale_lr > 0 and math.isfinite(scale_lr)):
+        raise ValueError(f"tune_norms_: steps >= 1 and a finite lr and scale_lr > 0, got {steps}, {lr} and {scale_lr}")
     train, held = split_windows(len(windows))
     judge = held or train
     what = ["norm"] * norms + ["scale"] * scales
@@ -143,8 +143,10 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     start = [p.detach().clone() for p in params]
     scaled = scaled_modules(model) if scales else []
     if scales and not scaled:
-        raise ValueError("scale tuning: no projection is quantized in a format with float scales (int8, int4, fp8)")
+        raise ValueError("scale tuning: no projection is quantized in a format with float scales "
+                         f"({', '.join(SCALED_FORMATS)})")  # fmt: skip
     scale0 = [m._buffers["scales"] for m in scaled]
+    scale_start = [s.clone() for s in scale0]  # an error while the kept values are written puts these back
     ratios = [torch.zeros(s.shape, dtype=torch.float32, device=s.device, requires_grad=True) for s in scale0]
     saved_grads = [p.grad for p in params]
     requires = {name: p.requires_grad for name, p in model.named_parameters()}
@@ -182,8 +184,9 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
         with torch.no_grad():
             for p, value in zip(params, best_norms or start):
                 p.copy_(value)
-            for s0, r in zip(scale0, best_ratios or []):
-                s0.copy_(_scaled(s0, r))  # rounded to the stored dtype: the kernels and a save read this buffer
+            tuned_scales = [_scaled(s0, r) for s0, r in zip(scale0, best_ratios or [])]  # all, before any is written
+            for s0, value in zip(scale0, tuned_scales):
+                s0.copy_(value)  # rounded to the stored dtype: the kernels and a save read this buffer
         if best_norms is None:
             logger.warning("warning: %s tuning: no pass lowered the KL to the float model on the %s (%.5f per "
                            "token): the %ss are kept as they were", " and ".join(what), "held-out calibration windows"
@@ -192,7 +195,7 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     finally:
         if not done:
             with torch.no_grad():
-                for p, value in zip(params, start):
+                for p, value in zip(params + scale0, start + scale_start):
                     p.copy_(value)
         for m, s0 in zip(scaled, scale0):
             m._buffers["scales"] = s0
@@ -221,9 +224,11 @@ def _scaled(s0: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _set_scales(scaled, scale0, ratios) -> None:
-    """Each module's scales buffer replaced by its tuned value (a float32 tensor in the ratios' graph)."""
-    for m, s0, r in zip(scaled, scale0, ratios):
-        m._buffers["scales"] = _scaled(s0, r)
+    """Each module's scales buffer replaced by its tuned value (a float32 tensor in the ratios' graph, also when the
+    caller runs under no_grad)."""
+    with torch.enable_grad():
+        for m, s0, r in zip(scaled, scale0, ratios):
+            m._buffers["scales"] = _scaled(s0, r)
 
 
 def _training_kernels(ctx):
