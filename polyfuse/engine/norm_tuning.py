@@ -1,5 +1,6 @@
-"""Norm re-tuning after quantization: fit only the model's RMSNorm weights so that the quantized model's next-token
-distributions come back toward the float model's on calibration text (KL divergence, float model as the target).
+"""Norm (and scale) re-tuning after quantization: fit only the model's RMSNorm weights (and / or the quantized
+projections' float scales, below) so that the quantized model's next-token distributions come back toward the float
+model's on calibration text (KL divergence, float model as the target).
 
 Quantizing the projections moves every layer's output a little; the norms scale each channel of the inputs those
 projections see, so a few float vectors per layer (35,136 numbers on the built-in model, 0.03% of it; 266,240 on
