@@ -17,8 +17,11 @@ weights to the float model on the same windows, as --quant_tune_norms, "+scales"
 float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the
 baseline the others are compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with the
 projections' activations quantized to int8 in blocks of 32, as the one-row decode computes them with
-POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position, teacher-forced: polyfuse/bench/act_int8.py). The
-default text is the Declaration of Independence (public domain, examples/data/declaration_of_independence.txt).
+POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position, teacher-forced: polyfuse/bench/act_int8.py).
+"+w8a8" (fp8+w8a8, fp8_block+w8a8, also after +gptq / +scales) scores fp8 with the activations rounded to e4m3 per
+token (fp8_block: per token and 128 columns) as a GPU's W8A8 prefill GEMMs round them, on any device (the CPU's fp8
+is otherwise weight-only; polyfuse/bench/act_fp8.py); the tuning (+norms, +scales) still fits the weight-only model.
+The default text is the Declaration of Independence (public domain, examples/data/declaration_of_independence.txt).
 
 Each JSON line has vs_first (perplexity / the first entry's - 1) and vs_first_se, its standard error from the tokens'
 own losses: std(this entry's per-token loss - the first entry's) / sqrt(tokens). A vs_first within about two of
@@ -38,6 +41,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from polyfuse.bench.act_fp8 import FORMATS as W8A8_FORMATS  # noqa: E402
+from polyfuse.bench.act_fp8 import emulate_fp8_activations_  # noqa: E402
 from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
 from polyfuse.bench.perplexity import perplexity, token_nll, token_windows  # noqa: E402
@@ -51,7 +56,7 @@ DEFAULT_TEXT = os.path.join(ROOT, "examples", "data", "declaration_of_independen
 
 
 FORMATS = ("auto", "none", "gguf") + LOAD_TIME_FORMATS
-SUFFIXES = ("lm_head", "gptq", "norms", "scales", "a8")
+SUFFIXES = ("lm_head", "gptq", "norms", "scales", "a8", "w8a8")
 
 
 def check_entries(quants: list[str], gguf) -> None:
@@ -61,8 +66,8 @@ def check_entries(quants: list[str], gguf) -> None:
         if fmt not in FORMATS:
             raise UsageError(f"--quant {quant!r}: the format is one of {', '.join(FORMATS)}")
         if set(suffixes) - set(SUFFIXES) or len(set(suffixes)) != len(suffixes):
-            raise UsageError(f"--quant {quant}: suffixes are +gptq, +norms, +scales, +lm_head and +a8, each at most "
-                             "once")  # fmt: skip
+            raise UsageError(f"--quant {quant}: suffixes are +gptq, +norms, +scales, +lm_head, +a8 and +w8a8, each "
+                             "at most once")  # fmt: skip
         if fmt == "gguf" and gguf is None:
             raise UsageError(f"--quant {quant}: keeps a GGUF's tensors as stored; this model is not a GGUF (give "
                              "--gguf_file)")  # fmt: skip
@@ -77,6 +82,9 @@ def check_entries(quants: list[str], gguf) -> None:
         if "a8" in suffixes and fmt not in A8_FORMATS:
             raise UsageError(f"--quant {quant}: +a8 is for {', '.join(A8_FORMATS)} (the formats whose one-row GEMV "
                              "has int8 activations)")  # fmt: skip
+        if "w8a8" in suffixes and fmt not in W8A8_FORMATS:
+            raise UsageError(f"--quant {quant}: +w8a8 is for {', '.join(W8A8_FORMATS)} (the formats a GPU multiplies "
+                             "on e4m3 activations in prefill)")  # fmt: skip
 
 
 def check_output(path: str) -> None:
@@ -173,7 +181,7 @@ def run(args) -> int:
     for quant in quants:
         t0 = time.perf_counter()
         fmt, *suffixes = quant.split("+")
-        head, gptq, a8 = ("lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes)
+        head, gptq, a8, w8a8 = ("lm_head" in suffixes, "gptq" in suffixes, "a8" in suffixes, "w8a8" in suffixes)
         scales = "scales" in suffixes
         tune = "norms" in suffixes or scales
         kl = None
@@ -195,6 +203,8 @@ def run(args) -> int:
             raise UsageError(f"--quant {quant}: {e}") from None
         if a8:
             emulate_int8_activations_(model)
+        if w8a8:
+            emulate_fp8_activations_(model)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl, n = perplexity(model, windows)

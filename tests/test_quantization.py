@@ -390,6 +390,39 @@ def test_triton_fp8_row_quantization_is_torchs():
     assert torch.equal(fused.swiglu_linear_q(gate, up, qw), plain.linear_q(swiglu_forward(gate, up), qw))
 
 
+def test_fp8_activations_are_what_scaled_mm_multiplies():
+    """ops/quant_linear.py ``fp8_activations`` (what bench/act_fp8.py's W8A8 emulation feeds the weight-only
+    reference) times the dequantized weight, in float32, against torch._scaled_mm on the same e4m3 rows and scales
+    (``fp8_token_rows``, which cuda:scaled_mm runs): the same products, summed in another order. With 128-column
+    groups an outlier coarsens only its own group: the other groups round as without it."""
+    from helpers import cpu_scaled_mm_missing
+
+    from polyfuse.backends.cuda import scaled_mm as plain
+    from polyfuse.ops.quant_linear import fp8_activations, fp8_token_rows, scaled_mm_rows
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 23, 256, generator=gen) * 2
+    x[0, 3] = 0
+    x[1, 5, 7] = 3e3  # one token with a massive activation
+    values = fp8_activations(x)
+    q, scale = fp8_token_rows(x.view(-1, 256))
+    assert torch.equal(plain.quantize_rows(x.view(-1, 256))[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(values.view(-1, 256), q.float() * scale) and torch.equal(values[0, 3], x[0, 3])
+    assert 0 < (values - x).abs().max() / x.abs().amax() < 2**-4  # e4m3: 3 mantissa bits
+    grouped = fp8_activations(x, 128)
+    assert torch.equal(grouped[:, :, 128:][1, 5], fp8_activations(x[1, 5, 128:]))  # the outlier's other group
+    assert not torch.equal(grouped[1, 5, 128:], values[1, 5, 128:])
+    assert torch.equal(grouped[0], fp8_activations(x[0].reshape(-1, 128)).view(23, 256))
+    qw = quantized("fp8", 48, 256, "cpu")
+    want = values @ qf.dequantize(qw).t()
+    if cpu_scaled_mm_missing():
+        return
+    got = scaled_mm_rows(q, scale, qw, x)  # float32 output: x's dtype
+    assert got.dtype == torch.float32 and torch.allclose(got, want, rtol=1e-5, atol=1e-3 * want.abs().max()), (
+        (got - want).abs().max()
+    )
+
+
 # ---- the tiny model: load, save, checkpoints ---------------------------------------------------------------------
 
 
@@ -1031,6 +1064,32 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     assert abs(math.expm1(moved.double().mean())) < 0.015, moved.double().mean()
 
 
+def test_perplexity_with_fp8_activations(builtin, baseline):
+    """fp8 scored with its activations rounded to e4m3 per token (fp8_block: per token and 128 columns) as a GPU's
+    W8A8 prefill GEMMs round them (bench/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
+    Measured on these windows (this CPU, session 33): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
+    +8.2% .. +8.8% unjittered, docs/quantization.md); each token's loss moves by 0.205 nats on average (absolute),
+    the perplexity by +4.5%. fp8_block +3.91% -> +4.88%, 0.087 nats: only the down projection (K = 1536) has K a
+    multiple of 128 on this model, and a token's outlier coarsens one group, not its row. Held: fp8's mean move in
+    0.1..0.4 nats and +1.5% .. +9% of perplexity; fp8_block's mean move below half of fp8's; every fp8 projection
+    taken (K and N multiples of 16)."""
+    from polyfuse.bench.act_fp8 import emulate_fp8_activations_, takes_w8a8
+    from polyfuse.bench.perplexity import token_nll
+
+    moves = {}
+    for fmt in ("fp8", "fp8_block"):
+        model = copy.deepcopy(builtin[3])
+        qz.quantize_model_(model, fmt)
+        taken = [takes_w8a8(m.quantized_weight()) for m in quantized_modules(model).values()]
+        assert all(taken) if fmt == "fp8" else 0 < sum(taken) < len(taken), (fmt, sum(taken))
+        nll = token_nll(model, builtin[2])
+        emulate_fp8_activations_(model)
+        moves[fmt] = token_nll(model, builtin[2]) - nll
+    assert 0.1 < moves["fp8"].abs().mean() < 0.4, moves["fp8"].abs().mean()
+    assert 0.015 < math.expm1(moves["fp8"].double().mean()) < 0.09, moves["fp8"].double().mean()
+    assert moves["fp8_block"].abs().mean() < moves["fp8"].abs().mean() / 2
+
+
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     """--quant int4,int8+a8: one error line (the int8-activation paths are int4's and the GGUF's), exit 2, before any
     entry is scored."""
@@ -1042,6 +1101,19 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     assert out == ""  # int4 was not scored first
     err = err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
+
+
+def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
+    """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (bench/act_fp8.py),
+    so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
+    are the same)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import evaluate_perplexity
+
+    assert evaluate_perplexity.main(["--quant", "fp8,fp8+w8a8", "--max_tokens", "128", "--context", "64"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["quant"] for r in rows] == ["fp8", "fp8+w8a8"] and rows[1]["tokens"] == 126
+    assert rows[1]["vs_first_se"] > 1e-3 and rows[1]["vs_first"] != 0, rows[1]
 
 
 @pytest.mark.parametrize(
@@ -1065,7 +1137,8 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
         (["--quant", "int4+scales"], "+gptq, +norms and +scales need calibration tokens: give --calibration_text"),
         (["--quant", "none,gguf+norms"], "+norms tunes the norms of a model quantized at load"),
         (["--quant", "none,gguf+scales"], "+scales tunes the scales of a model quantized at load"),
-        (["--quant", "int4+scales+scales"], "suffixes are +gptq, +norms, +scales, +lm_head and +a8, each at most"),
+        (["--quant", "int4+scales+scales"], "suffixes are +gptq, +norms, +scales, +lm_head, +a8 and +w8a8, each"),
+        (["--quant", "none,int8+w8a8"], "+w8a8 is for fp8, fp8_block (the formats a GPU multiplies on e4m3"),
         (["--quant", "int4+norms", "--norm_steps", "0"], "--norm_steps must be >= 1"),
         (["--quant", "int4,int4+gptq", "--norm_steps", "4"], "--norm_steps: no --quant entry has +norms or +scales"),
         (["--output", "FOLDER"], "--output FOLDER: a folder"),

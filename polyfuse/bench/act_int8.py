@@ -13,6 +13,7 @@ tests/test_int4_a8.py and tests/test_gguf_a8.py check the decode kernels against
 
 from __future__ import annotations
 
+from polyfuse.bench.act_emulation import round_projection_inputs_
 from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8, takes, takes_gguf
 
 
@@ -31,20 +32,4 @@ def int8_activations(x):
 def emulate_int8_activations_(model) -> None:
     """Rebind ``model.kernels``' quantized-projection ops so that the projections the W4A8 GEMV takes see int8
     activations (in place); the product in float32, rounded once to the activations' dtype, as the GEMV's."""
-    k = model.kernels
-    linear_q, swiglu, add_rms_norm, rms_norm = k.linear_q, k.swiglu, k.add_rms_norm, k.rms_norm
-
-    def a8_linear_q(x, qweight, bias=None):
-        if not (takes(qweight) or takes_gguf(qweight)):
-            return linear_q(x, qweight, bias)
-        out = linear_q(int8_activations(x), qweight, None if bias is None else bias.float())
-        return out.to(x.dtype)
-
-    def a8_swiglu_linear_q(gate, up, qweight, bias=None):
-        return a8_linear_q(swiglu(gate, up), qweight, bias)
-
-    def a8_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
-        y, r = (rms_norm(x, weight, eps), x) if residual is None else add_rms_norm(x, residual, weight, eps)
-        return a8_linear_q(y, qweight, bias), r
-
-    k.linear_q, k.swiglu_linear_q, k.add_rms_norm_linear_q = a8_linear_q, a8_swiglu_linear_q, a8_add_rms_norm_linear_q
+    round_projection_inputs_(model.kernels, lambda qw: int8_activations if takes(qw) or takes_gguf(qw) else None)

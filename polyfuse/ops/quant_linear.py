@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from polyfuse.core.registry import OpSpec, declare
-from polyfuse.ops.quant_formats import QuantizedWeight, dequantize
+from polyfuse.ops.quant_formats import FP8_MAX, QuantizedWeight, dequantize
 from polyfuse.ops.swiglu import swiglu_native
 
 
@@ -29,6 +29,28 @@ def swiglu_linear_q_native(gate, up, qweight: QuantizedWeight, bias: Optional[to
 
 
 # ---- row-wise scaled fp8 GEMM: what the implementations calling torch._scaled_mm share -----------------------------
+
+
+def fp8_token_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x ~= q * scale, one scale per row (token): the
+    per-token quantization of fp8's W8A8 GEMMs (cuda:scaled_mm runs this; triton:fp8_scaled_mm's kernel has the same
+    arithmetic and bytes). amax = max |x| in float32 (at least 1e-12), x * (448 / amax) clamped to +-448 and rounded
+    to e4m3 (nearest even), scale amax / 448."""
+    amax = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    # IEEE divisions, as the Triton kernel's: torch computes ``FP8_MAX / amax`` as a reciprocal times 448 and, on the
+    # GPU, ``amax / FP8_MAX`` as a product with 1 / 448; a division by a tensor is a true division.
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    return (x2.float() * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), amax / fp8_max
+
+
+def fp8_activations(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """x as a W8A8 fp8 GEMM multiplies it, float32: each row (token) quantized by ``fp8_token_rows`` and back; with
+    ``group`` each ``group`` columns of a row on their own (fp8_block's 1 x 128 activation blocks; K a multiple of
+    it). The product with the dequantized weight is then what the GEMM accumulates, up to its summation order."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, group if group else k)
+    q, scale = fp8_token_rows(rows)
+    return (q.float() * scale).view(x.shape)
 
 
 def scaled_mm_probe(ctx) -> Optional[str]:

@@ -14,8 +14,7 @@ from typing import Optional
 
 import torch
 
-from polyfuse.ops.quant_formats import FP8_MAX
-from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
+from polyfuse.ops.quant_linear import fp8_token_rows, scaled_mm_refusal, scaled_mm_rows
 
 
 FP8 = torch.float8_e4m3fn
@@ -26,12 +25,9 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 
 
 def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x ~= q * scale, one scale per row (token)."""
-    amax = x2.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
-    # IEEE divisions, as the Triton kernel's: torch computes ``FP8_MAX / amax`` as a reciprocal times 448 and, on the
-    # GPU, ``amax / FP8_MAX`` as a product with 1 / 448; a division by a tensor is a true division.
-    fp8_max = torch.full_like(amax, FP8_MAX)
-    return (x2.float() * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8), amax / fp8_max
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]) with x ~= q * scale, one scale per row (token): the ops'
+    reference, ops/quant_linear.py ``fp8_token_rows``."""
+    return fp8_token_rows(x2)
 
 
 def linear_q(x, qweight, bias=None):
