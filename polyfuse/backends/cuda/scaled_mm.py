@@ -17,9 +17,6 @@ import torch
 from polyfuse.ops.quant_linear import fp8_token_rows, scaled_mm_refusal, scaled_mm_rows
 
 
-FP8 = torch.float8_e4m3fn
-
-
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     return scaled_mm_refusal(x, qweight)
 
