@@ -154,6 +154,25 @@ def test_tuning_that_no_pass_improves_is_undone(caplog, kind):
         assert torch.equal(model(calibration[0][None]).logits, untuned)
 
 
+def test_cli_tuning_that_no_pass_improves_says_it_once(caplog, capsys, monkeypatch):
+    """run_generation.py's tuning step, when no pass lowers the held-out KL (steps too large, as above): the library's
+    one warning line, and no summary line claiming values were fitted."""
+    from polyfuse.cli.generate import tune_norms
+    from polyfuse.engine import norm_tuning
+
+    real = norm_tuning.tune_norms_
+    monkeypatch.setattr(norm_tuning, "tune_norms_", lambda *a, **k: real(*a, lr=0.5, scale_lr=0.5, **k))
+    calibration = _windows(16)
+    model = _tiny()
+    targets = norm_targets(model, calibration)
+    quantize_model_(model, "int4")
+    with caplog.at_level(logging.WARNING, logger="polyfuse"):
+        tune_norms(model, calibration, targets, 28, norms=True, scales=True)
+    assert caplog.text.count("warning: norm and scale tuning: no pass lowered the KL") == 1, caplog.text
+    assert "the norms and scales are kept as they were" in caplog.text, caplog.text
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("with_norms", [True, False])
 def test_an_error_during_tuning_puts_everything_back(monkeypatch, with_norms):
     """A step that fails (here: the third window's forward) leaves the norms, scales, kernels, modes and flags as they
@@ -388,7 +407,6 @@ def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     # 30 layers x (qkv 960 + o 576 + gate_up 3072 rows in 5 groups of K = 576, down's 576 in 12 of K = 1536)
     said = ": 35136 norm weights and 898560 scales fitted in 4 steps; KL to the float model on the calibration window "
     assert said in line[0], line
-    assert "kept as they were" not in line[0], line
     before, after = (float(v) for v in line[0].split("calibration window ")[1].split(" per token")[0].split(" -> "))
     assert after < before, line
 

@@ -438,7 +438,7 @@ def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> lis
 
 def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False) -> None:
     """--quant_tune_norms / --quant_tune_scales: the quantized model's norms and / or scales fitted to ``targets``;
-    what moved and the KL before and after on stderr."""
+    what moved and the KL before and after on stderr (when nothing was kept, tune_norms_'s warning alone)."""
     from polyfuse.engine.norm_tuning import tune_norms_, tuned_norm_count, tuned_scale_count
 
     flag = tune_flag(norms, scales)
@@ -449,12 +449,13 @@ def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = Tr
     except torch.OutOfMemoryError:
         raise UsageError(f"{flag}: out of memory in the backward through the quantized model (one window of 512 "
                          "tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
+    if not kl["tuned"]:
+        return  # tune_norms_'s one warning line said that no pass lowered the KL and that nothing moved
     counts = ((tuned_norm_count(model), "norm weights", norms), (tuned_scale_count(model), "scales", scales))
     what = " and ".join(f"{n} {kind}" for n, kind, on in counts if on)
-    kept = "" if kl["tuned"] else " (no pass lowered it: kept as they were)"
     where = f"{kl['held_out']} held-out calibration window(s)" if kl["held_out"] else "the calibration window"
     print(f"{flag}: {what} fitted in {steps} steps; KL to the float model on {where} {kl['before']:.4f} -> "
-          f"{kl['after']:.4f} per token{kept}", file=sys.stderr)  # fmt: skip
+          f"{kl['after']:.4f} per token", file=sys.stderr)  # fmt: skip
 
 
 def render_inputs(args, tokenizer, inputs: list) -> list[str]:
