@@ -26,7 +26,11 @@ The default text is the Declaration of Independence (public domain, examples/dat
 Each JSON line has vs_first (perplexity / the first entry's - 1) and vs_first_se, its standard error from the tokens'
 own losses: std(this entry's per-token loss - the first entry's) / sqrt(tokens). A vs_first within about two of
 them is not resolved by this text: where activations are rounded (fp8 W8A8 on a GPU, +a8) float-level noise alone
-moves the perplexity by that much (docs/quantization.md, "Quality").
+moves the perplexity by that much (docs/quantization.md, "Quality"). --samples N scores every entry N - 1 more
+times with its input embeddings jittered by about one bf16 step (x (1 + 0.004 n), n normal; seeds 1 .. N - 1, the
+same draws for every entry: polyfuse/bench/perplexity.py jittered_inputs), each against the first entry under the
+same jitter: the row's samples_vs_first lists the N results (the unjittered vs_first first) and vs_first_mean is
+their mean, the number to hold against a target where one sample is that noisy.
 """
 
 import argparse
@@ -45,7 +49,7 @@ from polyfuse.bench.act_fp8 import FORMATS as W8A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_fp8 import emulate_fp8_activations_  # noqa: E402
 from polyfuse.bench.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from polyfuse.bench.act_int8 import emulate_int8_activations_  # noqa: E402
-from polyfuse.bench.perplexity import perplexity, token_nll, token_windows  # noqa: E402
+from polyfuse.bench.perplexity import jittered_inputs, perplexity, token_nll, token_windows  # noqa: E402
 from polyfuse.cli.generate import UsageError, load_cli_tokenizer, pick_device, read_text  # noqa: E402
 from polyfuse.engine.gptq import GPTQ_FORMATS, calibration_windows  # noqa: E402
 from polyfuse.engine.norm_tuning import NORM_STEPS, norm_targets, tune_norms_  # noqa: E402
@@ -119,6 +123,12 @@ def main(argv=None) -> int:
     p.add_argument(
         "--norm_steps", type=int, default=None, help=f"+norms, +scales: Adam steps, one window each ({NORM_STEPS})"
     )
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="score each entry this many times: unjittered, then with jittered input embeddings (see above)",
+    )
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hpu"])
     p.add_argument("--output", default=None,
@@ -142,6 +152,8 @@ def run(args) -> int:
         raise UsageError(f"--norm_steps must be >= 1, got {args.norm_steps}")
     if args.norm_steps is not None and not any("+norms" in q or "+scales" in q for q in args.quant.split(",")):
         raise UsageError("--norm_steps: no --quant entry has +norms or +scales (int4+norms, ...)")
+    if args.samples < 1:
+        raise UsageError(f"--samples must be >= 1 (1: the unjittered run alone), got {args.samples}")
     if args.max_tokens < 0:
         raise UsageError(f"--max_tokens must be >= 0 (0: the whole text), got {args.max_tokens}")
     quants = args.quant.split(",")
@@ -176,7 +188,7 @@ def run(args) -> int:
         calibration = calibration_windows(cal_ids)  # run_generation.py --quant_calibration's windows
         if not calibration:
             raise UsageError(f"+gptq, +norms and +scales need calibration tokens: {where}")
-    base = base_nll = None
+    base = base_nll = base_jittered = None
     rows = []
     for quant in quants:
         t0 = time.perf_counter()
@@ -212,6 +224,10 @@ def run(args) -> int:
         # a second forward, for vs_first's standard error: the perplexity itself stays the fused loss's (the
         # numbers recorded in docs/ came from it, without a [tokens, vocab] logits tensor)
         nll = token_nll(model, windows).double()
+        jittered = []  # per seed: this entry's per-token losses with the input embeddings jittered
+        for seed in range(1, args.samples):
+            with jittered_inputs(model, seed):
+                jittered.append(token_nll(model, windows).double())
         row = {"quant": quant, "perplexity": ppl, "tokens": n, "context": args.context, "dtype": str(dtype)[6:],
                "calibration_tokens": sum(len(w) for w in calibration) if gptq or tune else 0,
                "device": args.device, "load_s": round(load_s, 2), "eval_s": round(eval_s, 2)}  # fmt: skip
@@ -219,9 +235,15 @@ def run(args) -> int:
             row["norm_kl"] = [round(kl["before"], 5), round(kl["after"], 5)]
             row["norm_kl_windows"] = kl["held_out"] or 1  # the held-out windows that judged (one: the only one)
         if base is None:
-            base, base_nll = ppl, nll
+            base, base_nll, base_jittered = ppl, nll, jittered
         row["vs_first"] = ppl / base - 1.0
         row["vs_first_se"] = ((nll - base_nll).std() / len(nll) ** 0.5).item() if len(nll) > 1 else 0.0
+        if args.samples > 1:  # each jittered sample against the first entry under the same draws
+            samples = [row["vs_first"]] + [
+                (a.mean() - b.mean()).exp().item() - 1.0 for a, b in zip(jittered, base_jittered)
+            ]
+            row["samples_vs_first"] = samples
+            row["vs_first_mean"] = sum(samples) / len(samples)
         print(json.dumps(row), flush=True)
         rows.append(row)
         del model

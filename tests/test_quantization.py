@@ -1126,6 +1126,7 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
         (["--max_tokens", "1"], "no tokens to score: 1 token(s)"),
         (["--context", "1"], "--context must be >= 2"),
         (["--max_tokens", "-5"], "--max_tokens must be >= 0"),
+        (["--samples", "0"], "--samples must be >= 1"),
         (["--quant", "none,foo"], "--quant 'foo': the format is one of auto, none, gguf"),
         (["--quant", "none,"], "--quant '': the format is one of"),
         (["--quant", "fp8_block+gptq"], "GPTQ quantizes int4, int8, fp8"),
@@ -1191,6 +1192,43 @@ def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, 
     assert rows[0]["vs_first"] == 0 and rows[0]["vs_first_se"] == 0
     assert 1e-4 < rows[1]["vs_first_se"] < 0.02, rows[1]
     assert abs(rows[1]["vs_first"]) < 0.05, rows[1]
+
+
+def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monkeypatch):
+    """--samples 3: every entry is scored unjittered and under two jittered seeds, each against the first entry under
+    the same draws: the first entry's samples are exactly 0 (the same draws on the same weights), int8's are three
+    different numbers (the jitter reaches the losses) near its vs_first, and vs_first_mean is their mean."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    import evaluate_perplexity
+
+    args = ["--quant", "none,int8", "--max_tokens", "128", "--context", "64", "--samples", "3"]
+    assert evaluate_perplexity.main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert rows[0]["samples_vs_first"] == [0.0, 0.0, 0.0] and rows[0]["vs_first_mean"] == 0.0, rows[0]
+    samples = rows[1]["samples_vs_first"]
+    assert len(samples) == 3 and samples[0] == rows[1]["vs_first"] and len(set(samples)) == 3, samples
+    assert all(abs(v - samples[0]) < 0.02 for v in samples), samples
+    assert rows[1]["vs_first_mean"] == pytest.approx(sum(samples) / 3), rows[1]
+
+
+def test_jittered_inputs_draws_by_seed_and_leaves_the_model_as_it_was():
+    """jittered_inputs: the same seed gives the same logits twice, another seed others, the change is of the order of
+    its 0.4% noise on the embedding (not zero, not large), and the model is unjittered after the block."""
+    from polyfuse.bench.perplexity import jittered_inputs
+
+    model = LlamaForCausalLM.from_config(tiny_config(), dtype=torch.float32, seed=0)
+    ids = torch.randint(3, 300, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids).logits
+        runs = []
+        for seed in (1, 1, 2):
+            with jittered_inputs(model, seed):
+                runs.append(model(ids).logits)
+        after = model(ids).logits
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    moved = ((runs[0] - plain).norm() / plain.norm()).item()
+    assert 1e-4 < moved < 0.05, moved
+    assert torch.equal(after, plain)
 
 
 # ---- NVIDIA (make test-cuda) ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ tests/test_quantization.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -44,3 +45,28 @@ def token_nll(model, windows: list[torch.Tensor], device=None) -> torch.Tensor:
         logits = model(ids).logits[0, :-1].float()
         out.append(F.cross_entropy(logits, ids[0, 1:], reduction="none").cpu())
     return torch.cat(out)
+
+
+# The relative noise ``jittered_inputs`` puts on each input embedding value: about one bf16 step (2^-8 = 0.0039).
+JITTER = 0.004
+
+
+@contextlib.contextmanager
+def jittered_inputs(model, seed: int, scale: float = JITTER):
+    """Within the block, every value the model's input embedding gives is multiplied by (1 + scale * n), n standard
+    normal, and rounded back to its dtype: a perturbation at the level of bf16's own rounding, which a quantized
+    format's perplexity should not notice, but which rounded activations (fp8's W8A8, int8 activations) turn into
+    whole rounding steps. Scoring the same windows under a few seeds samples that noise (docs/quantization.md,
+    "Quality"). The draws come from a CPU generator seeded with ``seed``, in call order: two models scored over
+    the same windows in the same order get the same draws, whatever their device."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def hook(module, args, out):
+        n = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(out.device)
+        return (out.float() * (1.0 + scale * n)).to(out.dtype)
+
+    handle = model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
