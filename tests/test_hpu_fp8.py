@@ -146,7 +146,7 @@ def test_registry_picks_habanas_fp8_gemm(gaudi):
     choice = kernels.choices["linear_q"]
     assert (choice.implementation.backend, choice.implementation.name) == ("hpu", "fp8_gemm"), kernels.report()
     line = next(ln for ln in kernels.report().splitlines() if ln.strip().startswith("linear_q "))
-    assert "hpu:fp8_gemm" in line and "declined inputs go to native" in line, line
+    assert "hpu:fp8_gemm" in line and "declined inputs go to uint4_matmul, native" in line, line
     x = _rows()
     block = quantize("fp8_block", _weight(k=128))  # declined: the native reference runs it
     torch.testing.assert_close(kernels.linear_q(x[:, :1].expand(5, 128).contiguous(), block),
@@ -157,7 +157,9 @@ def test_registry_picks_habanas_fp8_gemm(gaudi):
 def test_registry_without_habana():
     choice = registry.resolve(SelectionContext(HPU, torch.bfloat16)).choices["linear_q"]
     assert choice.implementation.name == "native"
-    assert choice.reason == "fallback: fp8_gemm: habana_frameworks.torch not importable"
+    assert choice.reason == (
+        "fallback: fp8_gemm: habana_frameworks.torch not importable; uint4_matmul: habana_frameworks.torch not importable"
+    )
 
 
 def test_registry_on_first_generation_gaudi(monkeypatch):
@@ -165,7 +167,9 @@ def test_registry_on_first_generation_gaudi(monkeypatch):
     _import_double(monkeypatch, None)
     try:
         choice = registry.resolve(SelectionContext(HPU, torch.bfloat16)).choices["linear_q"]
-        assert choice.reason == "fallback: fp8_gemm: first-generation Gaudi has no fp8 GEMM"
+        assert choice.implementation.name == "uint4_matmul"  # int4 still has Habana's kernel; fp8 the reference
+        assert choice.reason == "best usable for hpu (skipped fp8_gemm)"
+        assert ("fp8_gemm", "first-generation Gaudi has no fp8 GEMM") in choice.skipped
     finally:
         _forget_habana()
 

@@ -60,7 +60,8 @@ class Implementation:
     platforms: Optional[tuple[str, ...]] = None  # e.g. ("cuda",): not on ROCm although device.type is "cuda"
     # accepts(*args, **kwargs) -> None (takes the input) or why not; the call then goes to the next choice.
     accepts: Optional[Callable[..., Optional[str]]] = None
-    # True when declining is the plan (a GEMV for tuned shapes only): no warning; else one warning per cause.
+    # True when declining is the plan (a GEMV for tuned shapes only): no warning; else one warning per cause. An
+    # ``accepts`` can also say so per call by returning a :class:`Planned` reason (another weight format's call).
     quiet_decline: bool = False
 
     def unusable_reason(self, ctx: SelectionContext) -> Optional[str]:
@@ -210,6 +211,11 @@ def select(op: str, ctx: SelectionContext, overrides: Optional[dict] = None) -> 
 _warned: set = set()
 
 
+class Planned(str):
+    """A reason an ``accepts`` returns for a call that was never its to take (a weight format another
+    implementation of the op is for): the call goes on down the chain without a warning."""
+
+
 def warn_declined(op: str, impl: str, why: str, then: str) -> None:
     """One warning per (op, implementation, cause): never a warning per token."""
     if (op, impl, why) not in _warned:
@@ -224,7 +230,7 @@ def _guarded(impl: Implementation, nxt: Callable, next_name: str) -> Callable:
         why = accepts(*args, **kwargs)
         if why is None:
             return fn(*args, **kwargs)
-        if not impl.quiet_decline:
+        if not impl.quiet_decline and not isinstance(why, Planned):
             warn_declined(op, impl.name, why, next_name)
         return nxt(*args, **kwargs)
 

@@ -45,8 +45,13 @@ def report(model) -> str:
     return "\n".join(lines)
 
 
+HPU_KERNELS = {"fp8_gemm": "fp8", "uint4_matmul": "int4"}  # Habana's linear_q kernels (backends/hpu) and their format
+
+
 def warn_unaccelerated(model) -> None:
-    """fp8 weights where no fp8 matmul runs: say once what runs instead."""
+    """fp8 weights where no fp8 matmul runs, and on Gaudi any format no Habana kernel takes: say once what runs
+    instead."""
+    _warn_hpu_formats(model)
     fmts = {q.format for q in quantized_modules(model).values()}
     if not fmts & {"fp8", "fp8_block"}:
         return
@@ -85,3 +90,22 @@ def warn_unaccelerated(model) -> None:
         else f"one-row decode runs {impl.backend}:{impl.name}{batch}, {rest}"
     )
     logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)
+
+
+def _warn_hpu_formats(model) -> None:
+    """On Gaudi: one line for the formats other than fp8 that no Habana kernel takes (int8, GGUF kept types; int4
+    where Habana's 4-bit dequantization is missing or the run is float16; fp8 has its own lines below)."""
+    c = model.kernels.choices["linear_q"]
+    if model.kernels.context.platform.name != "hpu":
+        return
+    taken = {HPU_KERNELS[i.name] for i in (c.implementation, *c.then) if i.name in HPU_KERNELS}
+    if model.dtype not in (torch.bfloat16, torch.float32):
+        taken.discard("int4")  # fp8's float16 run has its own line
+    left = sorted({q.format for q in quantized_modules(model).values()} - taken - {"fp8", "fp8_block"})
+    if left:
+        logger.warning(
+            "warning: %s weights on hpu, a %s run: no Habana kernel takes them here; they stay packed and "
+            "every call dequantizes them (dequantize + F.linear)",
+            ", ".join(left),
+            _name(model.dtype),
+        )

@@ -31,6 +31,7 @@ import torch
 
 from polyfuse.backends.hpu import _habana
 from polyfuse.backends.hpu.fp8_range import device_fp8_max
+from polyfuse.core.registry import Planned
 from polyfuse.ops.quant_formats import FP8, FP8_MAX
 
 
@@ -65,8 +66,10 @@ def fullscale() -> float:
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+    if qweight.format == "fp8_block":
+        return "fp8_block weights (takes per-channel fp8)"
     if qweight.format != "fp8":
-        return f"{qweight.format} weights (takes per-channel fp8)"
+        return Planned(f"{qweight.format} weights (takes per-channel fp8)")  # another kernel's, or the reference's
     if x.dtype not in DTYPES:
         return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported (bfloat16 or float32)"
     if x.shape[-1] != qweight.shape[1]:

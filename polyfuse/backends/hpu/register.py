@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import polyfuse.ops  # noqa: F401  (declares the ops before we register against them)
-from polyfuse.backends.hpu import _habana, fp8_linear
+from polyfuse.backends.hpu import _habana, fp8_linear, int4_linear
 from polyfuse.backends.hpu.attention import fused_sdpa
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
@@ -56,6 +56,19 @@ IMPLEMENTATIONS.append(
     Implementation(
         "linear_q", "fp8_gemm", BACKEND, DEVICES, fp8_linear.fp8_gemm, priority=PRIORITY, probe=probe_fp8_gemm,
         accepts=fp8_linear.accepts_linear_q, note="per-channel fp8, activations cast to e4m3 per token",
+    )
+)  # fmt: skip
+
+
+def probe_uint4(ctx: SelectionContext) -> Optional[str]:
+    return int4_linear.missing_reason()
+
+
+IMPLEMENTATIONS.append(
+    Implementation(
+        "linear_q", "uint4_matmul", BACKEND, DEVICES, int4_linear.uint4_matmul, priority=PRIORITY - 1,
+        probe=probe_uint4, accepts=int4_linear.accepts_linear_q,
+        note="int4 (GPTQ layout) dequantized by convert_from_uint4, then matmul",
     )
 )  # fmt: skip
 

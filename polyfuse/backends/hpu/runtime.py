@@ -23,6 +23,8 @@
 * fp8 on Gaudi2, whose e4m3 reaches 240: ``fp8_max()`` makes weights quantized on the device scale to 240, and
   ``adapt_quantized()`` halves the loaded fp8 rows beyond it and doubles their scales (fp8_range.py); Gaudi3 holds
   float8_e4m3fn's 448.
+* int4 on Gaudi: ``adapt_quantized()`` also repacks each int4 weight into the layout of Habana's
+  ``convert_from_uint4`` once (int4_linear.py), kept beside the module's buffers.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
   and only in eager mode: "Dynamo and lazy are mutually exclusive" (optimum-habana's training_args.py).
 """
@@ -34,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu import _habana, int4_linear
 from polyfuse.backends.hpu.fp8_range import device_fp8_max, fit_gaudi2
 from polyfuse.core.runtime import DeviceRuntime, Step
 
@@ -139,8 +141,13 @@ class HpuRuntime(DeviceRuntime):
         return device_fp8_max()
 
     def adapt_quantized(self, weights) -> None:
-        """On Gaudi2, fp8 weight rows holding codes beyond its e4m3 range (240) are halved and their scales doubled
-        (fp8_range.py); elsewhere nothing changes."""
+        """int4 weights get Habana's packing beside AutoGPTQ's (int4_linear.py: made here once rather than on the
+        first call, where the HPU graph would capture it); on Gaudi2, fp8 weight rows holding codes beyond its e4m3
+        range (240) are halved and their scales doubled (fp8_range.py)."""
+        if int4_linear.missing_reason() is None:
+            for w in weights:
+                if w.format == "int4":
+                    int4_linear.prepare(w)
         if device_fp8_max() is None:
             return
         rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))

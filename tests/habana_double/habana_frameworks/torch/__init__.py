@@ -10,7 +10,7 @@ from habana_frameworks.torch.utils.internal import is_lazy
 
 LAZY_AT_IMPORT = is_lazy()
 
-from habana_frameworks.torch import _fp8_ops, core, hpu  # noqa: E402,F401  (_fp8_ops: torch.ops.hpu's fp8 ops)
+from habana_frameworks.torch import _fp8_ops, _int4_ops, core, hpu  # noqa: E402,F401  (torch.ops.hpu's ops)
 
 
 def _register_hpu_backend():

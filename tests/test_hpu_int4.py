@@ -1,0 +1,243 @@
+"""int4 projections on Gaudi (polyfuse/backends/hpu/int4_linear.py) against the TEST DOUBLE of habana_frameworks
+(tests/habana_double: ``torch.ops.hpu.convert_from_uint4`` as the bridge's hpu_ops/int4_ops.cpp declares and checks
+it). Nothing here has run on a Gaudi."""
+
+import logging
+
+import pytest
+import torch
+from quant_cases import act_order
+from test_hpu_backend import HPU, _forget_habana, _import_double, _on_hpu_backend, needs_gaudi  # noqa: F401
+
+from polyfuse.backends.hpu import int4_linear
+from polyfuse.core import registry
+from polyfuse.core.registry import Planned, SelectionContext
+from polyfuse.ops.quant_formats import QuantizedWeight, dequantize, quantize
+from polyfuse.ops.quant_linear import linear_q_native
+
+
+@pytest.fixture
+def hf(monkeypatch):
+    """The double, with its bridge imported (what registers torch.ops.hpu's ops, as the real one does)."""
+    double = _import_double(monkeypatch, None)
+    import habana_frameworks.torch  # noqa: F401
+
+    yield double
+    _forget_habana()
+
+
+def _weight(n=48, k=256, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _rows(m=5, k=256, seed=1, dtype=torch.float32):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _err(a, b):
+    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
+
+
+def test_double_reads_habanas_layout(hf):
+    """The double's convert_from_uint4: value j of word c (low bits first) is column 8 c + j, a [G, N] scale covers
+    blocks of K / G rows, a zero point packed like the input or unpacked in the scale's dtype, and the bridge's
+    refusals (non-int32 input, a scale that does not divide the output)."""
+    q = torch.randint(0, 16, (4, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    words = int4_linear.pack_rows(q)
+    assert words.shape == (4, 2) and words.dtype == torch.int32
+    assert int(words[1, 1]) & 15 == int(q[1, 8]) and (int(words[1, 1]) >> 28) & 15 == int(q[1, 15])
+    scale = torch.tensor([[0.5] * 16, [2.0] * 16])  # rows 0-1, rows 2-3
+    zeros = torch.full((2, 16), 3, dtype=torch.int32)
+    zeros[1, 5] = 9
+    want = (q - zeros.repeat_interleave(2, 0)).float() * scale.repeat_interleave(2, 0)
+    packed_zp = int4_linear.pack_rows(zeros)
+    for zp in (packed_zp, zeros.float()):
+        got = torch.ops.hpu.convert_from_uint4(words, scale, zp, torch.float32)
+        assert torch.equal(got, want)
+    with pytest.raises(Exception, match="int input"):
+        torch.ops.hpu.convert_from_uint4(words.float(), scale, None, torch.float32)
+    with pytest.raises(Exception, match="divides"):
+        torch.ops.hpu.convert_from_uint4(words, torch.ones(3, 16), None, torch.float32)
+    with pytest.raises(Exception, match="zero_point dtype"):
+        torch.ops.hpu.convert_from_uint4(words, scale, zeros.half(), torch.float32)
+
+
+@pytest.mark.parametrize("acts", ["in_order", "act_order"])
+def test_uint4_matmul_is_the_reference(hf, acts):
+    """float32: the reference's values (dequantize + F.linear), with a bias and a 3-D input; act-order weights
+    through the rows sorted by group and the activations gathered to match. The recorded call carries Habana's
+    layout: int32 [K, N / 8], unpacked zeros and scales [G, N] in the activations' dtype."""
+    qw = quantize("int4", _weight())
+    if acts == "act_order":
+        qw = act_order(qw)
+    x = _rows(m=6).view(2, 3, 256)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(4))
+    hf.reset()
+    y = int4_linear.uint4_matmul(x, qw, bias)
+    ref = linear_q_native(x, qw, bias)
+    assert y.shape == ref.shape == (2, 3, 48)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    ((args, _),) = hf.calls("convert_from_uint4")
+    words, scales, zeros, dtype = args
+    assert words.shape == (256, 6) and words.dtype == torch.int32 and dtype == torch.float32
+    assert scales.shape == zeros.shape == (2, 48) and scales.dtype == zeros.dtype == torch.float32
+    assert (int4_linear.prepare(qw).perm is None) == (acts == "in_order")
+
+
+def test_uint4_matmul_bf16_rounds_only_the_scales(hf):
+    """bfloat16: the scales go in as bfloat16 (INC's), each within 2^-9 of AutoGPTQ's float16 one, so the output is
+    the reference with bf16-rounded scales (bit for bit in the weight), not the float16-scale reference."""
+    qw = quantize("int4", _weight(seed=2))
+    x = _rows(seed=3, dtype=torch.bfloat16)
+    y = int4_linear.uint4_matmul(x, qw)
+    rounded = QuantizedWeight("int4", qw.shape, qw.qweight, qw.scales.to(torch.bfloat16).half(), qw.qzeros, qw.g_idx,
+                              qw.group_size)  # fmt: skip
+    zeros, scales = int4_linear.zeros_and_scales(qw, torch.bfloat16)
+    w = torch.ops.hpu.convert_from_uint4(int4_linear.prepare(qw).qweight, scales, zeros, torch.bfloat16)
+    assert torch.equal(w, dequantize(rounded, torch.bfloat16).t())
+    assert _err(y, linear_q_native(x, rounded)) < 1e-2  # bf16 matmul rounding only
+    assert _err(y, linear_q_native(x, qw)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conformance_cases_through_the_hpu_chain(hf, dtype):
+    """The conformance suite's linear_q cases (tests/quant_cases.py) of every format but fp8 (W8A8 on Gaudi, tested
+    in test_hpu_fp8.py), through the HPU backend's chain: int4 with whole groups (in order and act-order) runs
+    Habana's dequantization, the rest (partial groups, int8, GGUF) the reference; all within the bf16 scales'
+    rounding of the reference, float32 to rounding."""
+    from quant_cases import cases_linear_q
+
+    kernels = registry.resolve(SelectionContext(HPU, dtype))
+    hf.reset()
+    ran = 0
+    for name, make in cases_linear_q(torch.device("cpu"), dtype, big=False):
+        if name.startswith("fp8"):
+            continue
+        args, kwargs, _ = make()
+        got = kernels.linear_q(*args, **kwargs)
+        want = linear_q_native(*args, **kwargs)
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert _err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), name
+        ran += 1
+    assert ran > 20
+    assert len(hf.calls("convert_from_uint4")) == 2  # int4 and int4_act at K = 256: the only whole groups
+
+
+def test_declines(hf, caplog):
+    """Another format's weight is not its call (a Planned reason: no warning); float16, a last partial group and
+    calls that need gradients go to the reference with one warning each."""
+    qw = quantize("int4", _weight())
+    x = _rows()
+    assert int4_linear.accepts_linear_q(x, qw) is None
+    why = int4_linear.accepts_linear_q(x, quantize("int8", _weight()))
+    assert isinstance(why, Planned) and "int8" in why
+    assert "float16" in int4_linear.accepts_linear_q(x.half(), qw)
+    assert int4_linear.accepts_linear_q(x.requires_grad_(), qw) == "needs gradients"
+    partial = quantize("int4", _weight(k=200))
+    assert "partial group" in int4_linear.accepts_linear_q(_rows(k=200), partial)
+    kernels = registry.resolve(SelectionContext(HPU, torch.float32))
+    registry._warned.clear()
+    with caplog.at_level(logging.WARNING):
+        torch.testing.assert_close(kernels.linear_q(_rows(k=200), partial), linear_q_native(_rows(k=200), partial))
+        int8 = quantize("int8", _weight())
+        torch.testing.assert_close(kernels.linear_q(_rows(), int8), linear_q_native(_rows(), int8))
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "uint4_matmul cannot take this input (a last partial group" in msgs[0], msgs
+
+
+def test_repacked_again_when_the_buffer_changes(hf):
+    """The Habana copy follows its buffer: a weight changed in place (its version counter moves) is repacked, so the
+    output is the new weight's, not the cached one's."""
+    qw = quantize("int4", _weight(seed=5))
+    x = _rows(seed=6)
+    first = int4_linear.uint4_matmul(x, qw)
+    other = quantize("int4", _weight(seed=7))
+    qw.qweight.copy_(other.qweight)
+    changed = QuantizedWeight("int4", qw.shape, qw.qweight, qw.scales, qw.qzeros, qw.g_idx, qw.group_size)
+    got = int4_linear.uint4_matmul(x, changed)
+    torch.testing.assert_close(got, linear_q_native(x, changed), rtol=1e-5, atol=1e-5)
+    assert _err(got, first) > 0.1
+
+
+def test_registry_chain_on_hpu(hf):
+    """linear_q on an HPU: Habana's fp8 GEMM, then its 4-bit dequantization, then the reference; the report says
+    so."""
+    kernels = registry.resolve(SelectionContext(HPU, torch.bfloat16))
+    c = kernels.choices["linear_q"]
+    assert [i.name for i in (c.implementation, *c.then)] == ["fp8_gemm", "uint4_matmul"], kernels.report()
+    line = next(ln for ln in kernels.report().splitlines() if ln.strip().startswith("linear_q "))
+    assert "declined inputs go to uint4_matmul, native" in line, line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_model_runs_habanas_dequantization(hf, dtype):
+    """A tiny Llama quantized to int4 on the HPU backend: finalize repacks every weight once, each projection's call
+    reaches convert_from_uint4 (q/k/v, o, gate/up and down per layer), and the logits are the CPU reference model's
+    (float32: to rounding; bfloat16: within the scales' bf16 rounding and bf16 matmuls)."""
+    from helpers import tiny_config
+
+    from polyfuse.engine import qlinear
+    from polyfuse.engine import quantize as q
+    from polyfuse.models.llama import LlamaForCausalLM
+
+    cfg = tiny_config(hidden_size=128, intermediate_size=256)  # whole groups of 128 in every projection
+    ref = LlamaForCausalLM.from_config(cfg, seed=3, dtype=dtype)
+    q.quantize_model_(ref, "int4")
+    model = LlamaForCausalLM.from_config(cfg, seed=3, dtype=dtype)
+    q.quantize_model_(model, "int4")
+    _on_hpu_backend(model, {})
+    q.finalize(model)
+    qs = qlinear.quantized_modules(model)
+    assert all(int4_linear._PACKED.get(m.qweight) is not None for m in qs.values())
+    ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    hf.reset()
+    with torch.inference_mode():
+        got = model(ids).logits.float()
+        want = ref(ids).logits.float()
+    assert len(hf.calls("convert_from_uint4")) == len(qs) == 4 * cfg.num_hidden_layers
+    assert _err(got, want) < (1e-5 if dtype == torch.float32 else 0.03)
+
+
+def test_loading_says_what_no_habana_kernel_takes(hf, monkeypatch, caplog):
+    """After loading on an HPU: int4 in bfloat16 / float32 says nothing (Habana's kernel runs it); int8 and a GGUF
+    type kept as stored, or int4 in a float16 run, get one warning line naming what runs."""
+    from types import SimpleNamespace
+
+    from polyfuse.engine import quant_report
+
+    for fmts, dtype, want in (
+        (("int4",), torch.bfloat16, []),
+        (("int4",), torch.float32, []),
+        (("int8", "gguf_q4_1", "int4"), torch.bfloat16,
+         ["warning: gguf_q4_1, int8 weights on hpu, a bfloat16 run: no Habana kernel takes them here; they stay "
+          "packed and every call dequantizes them (dequantize + F.linear)"]),
+        (("int4",), torch.float16,
+         ["warning: int4 weights on hpu, a float16 run: no Habana kernel takes them here; they stay packed and every "
+          "call dequantizes them (dequantize + F.linear)"]),
+    ):  # fmt: skip
+        mods = {str(i): SimpleNamespace(format=f) for i, f in enumerate(fmts)}
+        monkeypatch.setattr(quant_report, "quantized_modules", lambda model, mods=mods: mods)
+        kernels = registry.resolve(SelectionContext(HPU, dtype))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            quant_report.warn_unaccelerated(SimpleNamespace(kernels=kernels, dtype=dtype))
+        assert [r.getMessage() for r in caplog.records] == want
+
+
+@pytest.mark.hpu
+@needs_gaudi
+def test_uint4_matmul_on_a_gaudi():
+    """On a real Gaudi (``make test-hpu``): an int4 weight quantized on the host, in order and act-order, moved to
+    the device, through Habana's convert_from_uint4 and matmul, against the reference on the host."""
+    import habana_frameworks.torch  # noqa: F401  (registers the hpu device)
+
+    from polyfuse.backends.hpu._habana import clear_cache
+
+    clear_cache()
+    assert int4_linear.missing_reason() is None
+    for host in (quantize("int4", _weight(n=256, k=512, seed=8)), act_order(quantize("int4", _weight(256, 512, 8)))):
+        dev = QuantizedWeight("int4", host.shape, host.qweight.to("hpu"), host.scales.to("hpu"),
+                              host.qzeros.to("hpu"), host.g_idx.to("hpu"), host.group_size, host.act_order)  # fmt: skip
+        x = _rows(m=8, k=512, seed=9, dtype=torch.bfloat16)
+        y = int4_linear.uint4_matmul(x.to("hpu"), dev).cpu().float()
+        assert _err(y, linear_q_native(x.float(), host)) < 1e-2
