@@ -74,3 +74,28 @@ def test_lazily_imported_implementations_never_hit_the_recompile_limit(monkeypat
             torch.testing.assert_close(compiled.rotary(q, k, cos, cos), kernels.rotary(q, k, cos, cos))
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not any("recompile limit" in k for k in counters["unimplemented"]), dict(counters["unimplemented"])
+
+
+def test_composite_ops_are_not_compiled_around_fused_parts(monkeypatch):
+    """An op that runs its composite definition (swiglu_linear where no fused one is chosen: the run's swiglu, then
+    linear) is not compiled itself: its fused parts would be traced into its graph (on the GPU the Triton swiglu
+    inside the compiled composite, under inference_mode, gave wrong logits). Its parts run by their own rule: the
+    fused swiglu as it is, linear uncompiled too (one library call: compiling it hit dynamo's recompile limit on an
+    H100, one graph per input rank and shape), and the result is the eager one's."""
+    from polyfuse.core import registry
+    from polyfuse.core.plugins import lazy_function
+    from polyfuse.core.registry import Implementation, SelectionContext
+
+    registry.ops()
+    monkeypatch.setattr(registry, "_IMPLS", {op: list(impls) for op, impls in registry._IMPLS.items()})
+    fn = lazy_function("polyfuse.ops.swiglu", "swiglu_native")  # a "fused" swiglu: not compiled
+    registry.register(Implementation("swiglu", "fused_swiglu", "test", ("cpu",), fn, priority=500))
+    kernels = registry.resolve(SelectionContext(torch.device("cpu")))
+    assert kernels.choices["swiglu_linear"].implementation.name == "native"  # its composite runs
+    torch._dynamo.reset()
+    compiled = kernels.compiled(backend="eager")
+    assert not {"swiglu_linear", "swiglu", "linear"} & set(compiled.compiled_ops), compiled.compiled_ops
+    assert {"rms_norm", "rotary"} <= set(compiled.compiled_ops)
+    g, u, w = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(8, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled.swiglu_linear(g, u, w), kernels.swiglu_linear(g, u, w))

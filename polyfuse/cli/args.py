@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(pays when prompts share a length, e.g. with --max_input_tokens; each new length costs a capture, and the "
         "graphs keep the largest prompt's activations reserved)",
     )
-    g.add_argument("--torch_compile", action="store_true", help="torch.compile each op function (not module forwards)")
+    g.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="torch.compile each op that runs its native reference (not module forwards; fused kernels run as they are)",
+    )
     g.add_argument(
         "--bucket_size",
         type=int,

@@ -44,6 +44,9 @@ class OpSpec:
     # compose(kernels) -> function: the op built from other ops, run where no fused implementation is chosen.
     compose: Optional[Callable[["Kernels"], Callable]] = None
     composed_of: tuple = ()  # the ops ``compose`` calls, for the report
+    # False where the reference is one library call (linear: F.linear is cuBLAS either way): --torch_compile leaves
+    # it as it is rather than compile a graph per input rank, bias and shape for nothing.
+    compile: bool = True
 
 
 @dataclass(frozen=True)
@@ -305,15 +308,19 @@ class Kernels:
         return "\n".join(lines)
 
     def compiled(self, backend: str = "inductor") -> "Kernels":
-        """The same choices with every op that runs its native reference (or composite definition) wrapped in
-        torch.compile; fused implementations are kernels already and run as they are (tracing their launchers gains
-        nothing and inductor cannot lower every launcher's argument preparation). Standalone functions, not module
-        forwards bound to ``self``, each with its own code object, so decoding does not recompile per layer, per
-        token or per op."""
+        """The same choices with every op that runs its native reference wrapped in torch.compile; fused
+        implementations are kernels already and run as they are (tracing their launchers gains nothing and inductor
+        cannot lower every launcher's argument preparation). An op that runs its composite definition is not
+        compiled itself: it calls its parts through this namespace, each compiled or fused by the same rule. (A
+        compiled composite would trace its fused parts' Triton launches into its graph: on the GPU, swiglu_linear's
+        composite with the Triton swiglu inside, under inference_mode, gave wrong logits, session 35.) Standalone
+        functions, not module forwards bound to ``self``, each with its own code object, so decoding does not
+        recompile per layer, per token or per op."""
         out = Kernels(self.choices, self.context)
         out.compiled_ops = []
         for name, choice in self.choices.items():
-            if choice.implementation.name == NATIVE:
+            spec = _OPS[name]
+            if choice.implementation.name == NATIVE and spec.compose is None and spec.compile:
                 setattr(out, name, torch.compile(_own_code(getattr(out, name), name), backend=backend, dynamic=None))
                 out.compiled_ops.append(name)
         return out

@@ -41,6 +41,7 @@ SPEC = declare(
         "linear(x[..., K], weight[N, K], bias[N] | None) -> [..., N]",
         linear_native,
         training=False,
+        compile=False,  # one cuBLAS call: on a GPU without GEMV tables compiling it hit dynamo's recompile limit
     )
 )
 SWIGLU_SPEC = declare(
