@@ -10,7 +10,7 @@ Habana packs eight weights of one input row k along N: ``qweight_hpu`` int32 [K,
 eight rows of K per word, [K / 8, N]. The same number of words: the repacked copy is made once per weight, by
 ``HpuRuntime.adapt_quantized`` after loading (or on the weight's first call), and kept beside the buffers, so on
 Gaudi an int4 model holds its packed weights twice (a quarter of bf16 each: half of bf16 in all). It is remade when
-the buffer is replaced or changed in place (its data pointer or version counter moves). Per call, zeros go in
+the buffer is replaced or changed in place (another tensor, or its version counter moved). Per call, zeros go in
 unpacked, [G, N] in the scales' dtype (AutoGPTQ's stored minus one undone; the bridge takes an unpacked zero point of
 the scale's dtype) and the scales cast to the activations' dtype: bfloat16 scales, as INC stores them (AutoGPTQ's are
 float16: a bfloat16 run rounds each to 8 significant bits, at most 2^-9 of it; float32 runs keep them exactly).
@@ -49,7 +49,8 @@ DTYPES = (torch.bfloat16, torch.float32)
 class HpuInt4:
     """One int4 weight in Habana's layout, or why it has none."""
 
-    key: tuple  # the buffers it was made from: (data_ptr, _version) of qweight and g_idx
+    key: tuple  # the buffers it was made from: (id, _version) of qweight and g_idx
+    g_idx: Optional[torch.Tensor]  # held, so that no other tensor takes its id while this entry lives
     qweight: Optional[torch.Tensor] = None  # int32 [K, N / 8]
     perm: Optional[torch.Tensor] = None  # act-order: the input columns in group order (None: in order already)
     declined: Optional[str] = None
@@ -77,15 +78,22 @@ def pack_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def _key(qw: QuantizedWeight) -> tuple:
-    return tuple((t.data_ptr(), t._version) if t is not None else None for t in (qw.qweight, qw.g_idx))
+    """Identity and version counter of qweight and g_idx: a buffer replaced (``module.to``, a new load) is another
+    object, one changed in place (``copy_``) has moved its counter. No ``data_ptr()``: on a lazy HPU tensor that may
+    materialize it, and this runs on every call."""
+    return tuple((id(t), t._version) if t is not None else None for t in (qw.qweight, qw.g_idx))
+
+
+def _current(got: Optional[HpuInt4], qw: QuantizedWeight) -> bool:
+    return got is not None and got.g_idx is qw.g_idx and got.key == _key(qw)
 
 
 def _make(qw: QuantizedWeight) -> HpuInt4:
     n, k = qw.shape
     key, groups = _key(qw), qw.scales.shape[0]
     if groups * qw.group_size != k:  # the op's blocks are K / G rows: only whole groups of group_size match them
-        return HpuInt4(key, declined=f"a last partial group (in_features {k}, groups of {qw.group_size}): Habana's "
-                                     f"{OP} takes whole groups")  # fmt: skip
+        why = f"a last partial group (in_features {k}, groups of {qw.group_size}): Habana's {OP} takes whole groups"
+        return HpuInt4(key, qw.g_idx, declined=why)
     q, _ = unpack_int4(qw)  # [K, N], the rows in the checkpoint's order
     perm = None
     if qw.g_idx is not None:
@@ -93,16 +101,16 @@ def _make(qw: QuantizedWeight) -> HpuInt4:
         order = torch.arange(k, device=g.device) // qw.group_size
         if not torch.equal(g, order):
             if not torch.equal(torch.bincount(g, minlength=groups), torch.full_like(order[:groups], qw.group_size)):
-                return HpuInt4(key, declined="act-order groups of uneven size")
+                return HpuInt4(key, qw.g_idx, declined="act-order groups of uneven size")
             perm = torch.argsort(g, stable=True)
             q = q[perm]
-    return HpuInt4(key, pack_rows(q), perm)
+    return HpuInt4(key, qw.g_idx, pack_rows(q), perm)
 
 
 def prepare(qw: QuantizedWeight) -> HpuInt4:
     """Habana's layout of ``qw``, made once and remade when its buffers change."""
     got = _PACKED.get(qw.qweight)
-    if got is None or got.key != _key(qw):
+    if not _current(got, qw):
         got = _PACKED[qw.qweight] = _make(qw)
     return got
 
