@@ -31,12 +31,12 @@ import torch
 
 from polyfuse.backends.hpu import _habana
 from polyfuse.backends.hpu.fp8_range import device_fp8_max
+from polyfuse.backends.hpu.linear_inputs import declined_inputs
 from polyfuse.core.registry import Planned
 from polyfuse.ops.quant_formats import FP8, FP8_MAX
 
 
 OPS = ("cast_to_fp8_v2", "fp8_gemm_v2")
-DTYPES = (torch.bfloat16, torch.float32)
 _TINY = torch.finfo(torch.bfloat16).tiny  # INC's floor for a per-channel / per-token scale
 BACKOFF = 0.5  # INC's for dynamic (per-call) scales
 
@@ -70,13 +70,7 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
         return "fp8_block weights (takes per-channel fp8)"
     if qweight.format != "fp8":
         return Planned(f"{qweight.format} weights (takes per-channel fp8)")  # another kernel's, or the reference's
-    if x.dtype not in DTYPES:
-        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported (bfloat16 or float32)"
-    if x.shape[-1] != qweight.shape[1]:
-        return "K mismatch"
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return "needs gradients"
-    return None
+    return declined_inputs(x, qweight, bias)
 
 
 def quantize_rows(x2: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor]:

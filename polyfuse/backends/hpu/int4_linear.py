@@ -37,12 +37,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from polyfuse.backends.hpu import _habana
+from polyfuse.backends.hpu.linear_inputs import declined_inputs
 from polyfuse.core.registry import Planned
 from polyfuse.ops.quant_formats import QuantizedWeight, unpack_int4
 
 
 OP = "convert_from_uint4"
-DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -118,13 +118,7 @@ def prepare(qw: QuantizedWeight) -> HpuInt4:
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     if qweight.format != "int4":
         return Planned(f"{qweight.format} weights (takes int4)")
-    if x.dtype not in DTYPES:
-        return f"activation dtype {str(x.dtype).replace('torch.', '')} unsupported (bfloat16 or float32)"
-    if x.shape[-1] != qweight.shape[1]:
-        return "K mismatch"
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return "needs gradients"
-    return prepare(qweight).declined
+    return declined_inputs(x, qweight, bias) or prepare(qweight).declined
 
 
 def zeros_and_scales(qw: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
