@@ -226,7 +226,16 @@ def warn_declined(op: str, impl: str, why: str, then: str) -> None:
         logger.warning("polyfuse: %s: %s cannot take this input (%s); %s runs", op, impl, why, then)
 
 
-def _guarded(impl: Implementation, nxt: Callable, next_name: str) -> Callable:
+def _taker(rest: list, terminal: str, args, kwargs) -> str:
+    """The name of the first of ``rest`` (the chain's later implementations) that accepts the call, else the
+    terminal's: what a declined call really runs, for the one warning line (asked only when a warning is due)."""
+    for impl in rest:
+        if impl.accepts is None or impl.accepts(*args, **kwargs) is None:
+            return impl.name
+    return terminal
+
+
+def _guarded(impl: Implementation, nxt: Callable, rest: list, terminal: str) -> Callable:
     fn, accepts, op = impl.fn, impl.accepts, impl.op
 
     def call(*args, **kwargs):
@@ -234,7 +243,7 @@ def _guarded(impl: Implementation, nxt: Callable, next_name: str) -> Callable:
         if why is None:
             return fn(*args, **kwargs)
         if not impl.quiet_decline and not isinstance(why, Planned):
-            warn_declined(op, impl.name, why, next_name)
+            warn_declined(op, impl.name, why, _taker(rest, terminal, args, kwargs))
         return nxt(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{op}_{impl.name}"
@@ -275,14 +284,13 @@ class Kernels:
         return impl.fn, NATIVE
 
     def _chain(self, choice: Choice) -> Callable:
-        fn, name = self._terminal(choice.op)
+        fn, terminal = self._terminal(choice.op)
         if choice.implementation.name == NATIVE:
             return fn
-        for impl in reversed([choice.implementation, *choice.then]):
-            if impl.accepts is None:
-                fn, name = impl.fn, impl.name
-            else:
-                fn, name = _guarded(impl, fn, name), impl.name
+        chain = [choice.implementation, *choice.then]
+        for i in reversed(range(len(chain))):
+            impl = chain[i]
+            fn = impl.fn if impl.accepts is None else _guarded(impl, fn, chain[i + 1 :], terminal)
         return fn
 
     def report(self) -> str:

@@ -70,11 +70,12 @@ class DeviceRuntime:
         None. Weights quantized to fp8 on the device are scaled to it (engine/quantize.py)."""
         return None
 
-    def adapt_quantized(self, weights) -> None:
+    def adapt_quantized(self, weights, kernels=None) -> None:
         """Called after quantized weights are loaded or made (engine/quantize.py ``finalize``, which may run more
-        than once on a model: a second call must change nothing) with the model's ``QuantizedWeight`` objects: a
-        device whose kernels need another form of a format changes the buffers in place here (HPU: fp8 rows beyond
-        Gaudi2's range). The base runtime keeps them as they are."""
+        than once on a model: a second call must change nothing) with the model's ``QuantizedWeight`` objects and
+        its resolved kernels (None where it has none yet): a device whose kernels need another form of a format
+        changes the buffers in place or prepares that form here (HPU: fp8 rows beyond Gaudi2's range; int4 repacked
+        for Habana's kernel). The base runtime keeps them as they are."""
 
     def compile_backend(self) -> str:
         """The torch.compile backend for this device."""

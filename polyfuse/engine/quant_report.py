@@ -45,7 +45,8 @@ def report(model) -> str:
     return "\n".join(lines)
 
 
-HPU_KERNELS = {"fp8_gemm": "fp8", "uint4_matmul": "int4"}  # Habana's linear_q kernels (backends/hpu) and their format
+# Habana's linear_q kernels (backends/hpu): the format each takes and the activation dtypes it runs on.
+HPU_KERNELS = {"fp8_gemm": ("fp8", (torch.bfloat16, torch.float32)), "uint4_matmul": ("int4", (torch.bfloat16,))}
 
 
 def warn_unaccelerated(model) -> None:
@@ -86,21 +87,20 @@ def warn_unaccelerated(model) -> None:
     rest = f"other calls {deq.backend}:{deq.name}" if deq is not None else "other calls dequantize them"
     runs = (
         "every call dequantizes them"
-        if impl.name == "native"
+        if impl.name == "native" or platform.name == "hpu"  # on Gaudi only fp8_gemm (above) takes fp8
         else f"one-row decode runs {impl.backend}:{impl.name}{batch}, {rest}"
     )
     logger.warning("warning: fp8 weights on %s; they stay fp8 and %s (dequantize + F.linear)", where, runs)
 
 
 def _warn_hpu_formats(model) -> None:
-    """On Gaudi: one line for the formats other than fp8 that no Habana kernel takes (int8, GGUF kept types; int4
-    where Habana's 4-bit dequantization is missing or the run is float16; fp8 has its own lines below)."""
+    """On Gaudi: one line for the formats other than fp8 that no Habana kernel takes in this run (int8, GGUF kept
+    types; int4 where Habana's 4-bit dequantization is missing or the run is not bfloat16; fp8 has its own lines)."""
     c = model.kernels.choices["linear_q"]
     if model.kernels.context.platform.name != "hpu":
         return
-    taken = {HPU_KERNELS[i.name] for i in (c.implementation, *c.then) if i.name in HPU_KERNELS}
-    if model.dtype not in (torch.bfloat16, torch.float32):
-        taken.discard("int4")  # fp8's float16 run has its own line
+    chain = [HPU_KERNELS[i.name] for i in (c.implementation, *c.then) if i.name in HPU_KERNELS]
+    taken = {fmt for fmt, dtypes in chain if model.dtype in dtypes}
     left = sorted({q.format for q in quantized_modules(model).values()} - taken - {"fp8", "fp8_block"})
     if left:
         logger.warning(

@@ -702,7 +702,7 @@ def finalize(model) -> None:
             q.act_order = not torch.equal(q.g_idx, order)
     runtime = getattr(model, "runtime", None)  # the device's own form of a format, where it needs one
     if qs and runtime is not None:
-        runtime.adapt_quantized([q.quantized_weight() for q in qs.values()])
+        runtime.adapt_quantized([q.quantized_weight() for q in qs.values()], getattr(model, "kernels", None))
     if qs:
         model.config.quantization_config = quantization_config(model)
     elif hasattr(model.config, "quantization_config"):

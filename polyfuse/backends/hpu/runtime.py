@@ -24,7 +24,7 @@
   ``adapt_quantized()`` halves the loaded fp8 rows beyond it and doubles their scales (fp8_range.py); Gaudi3 holds
   float8_e4m3fn's 448.
 * int4 on Gaudi: ``adapt_quantized()`` also repacks each int4 weight into the layout of Habana's
-  ``convert_from_uint4`` once (int4_linear.py), kept beside the module's buffers.
+  ``convert_from_uint4`` once (int4_linear.py), kept beside the module's buffers, where the run uses that kernel.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
   and only in eager mode: "Dynamo and lazy are mutually exclusive" (optimum-habana's training_args.py).
 """
@@ -78,6 +78,12 @@ class HpuGraphStep(Step):
         clear = getattr(self.module, "clear_cache", None)
         if clear is not None:
             clear()
+
+
+def _runs_uint4(kernels) -> bool:
+    c = kernels.choices["linear_q"]
+    chain = {i.name for i in (c.implementation, *c.then)}
+    return "uint4_matmul" in chain and kernels.context.dtype in int4_linear.DTYPES
 
 
 class HpuRuntime(DeviceRuntime):
@@ -140,11 +146,12 @@ class HpuRuntime(DeviceRuntime):
         """Gaudi2's e4m3 reaches 240 (INC's ``get_fullscale``): fp8 weights quantized here are scaled to it."""
         return device_fp8_max()
 
-    def adapt_quantized(self, weights) -> None:
-        """int4 weights get Habana's packing beside AutoGPTQ's (int4_linear.py: made here once rather than on the
-        first call, where the HPU graph would capture it); on Gaudi2, fp8 weight rows holding codes beyond its e4m3
-        range (240) are halved and their scales doubled (fp8_range.py)."""
-        if int4_linear.missing_reason() is None:
+    def adapt_quantized(self, weights, kernels=None) -> None:
+        """int4 weights get Habana's packing beside AutoGPTQ's where the run's ``linear_q`` chain has
+        ``uint4_matmul`` and the run is bfloat16 (int4_linear.py: made here once rather than on the first call,
+        where an HPU graph would capture it; no second copy for a run that never uses it); on Gaudi2, fp8 weight
+        rows holding codes beyond its e4m3 range (240) are halved and their scales doubled (fp8_range.py)."""
+        if kernels is not None and _runs_uint4(kernels):
             for w in weights:
                 if w.format == "int4":
                     int4_linear.prepare(w)

@@ -5,6 +5,12 @@ Schema as the bridge declares it up to Synapse 1.22 (INC: "the released docker 1
 
     hpu::convert_from_uint4(Tensor input, Tensor scale, Tensor? zero_point, ScalarType out_dtype) -> Tensor
 
+Which bridge this models: the 4-argument schema (Synapse up to 1.22), with the argument checks of the bridge's later
+source (hpu_ops/int4_ops.cpp with ``group_index``), the only one found that states them; the older source passes the
+zero point straight to the ``dequantize_4_bit`` kernel. polyfuse uses the one form INC and AutoGPTQ's HPU module both
+call (int32 packed zero points, bfloat16 scales and output), so only that form is relied on; the double's other
+forms (unpacked zero points, float32 output) are what the later source accepts, not known to run on the old one.
+
 What the bridge's code says, modelled here:
 
 * ``input`` is int32 [..., C] reinterpreted as uint4 [..., 8 C]: value j of word c (low bits first) is column 8 c + j;
