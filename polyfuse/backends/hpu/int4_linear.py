@@ -34,7 +34,7 @@ the test double (tests/habana_double), never run on a Gaudi.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -60,7 +60,7 @@ class HpuInt4:
     zeros: Optional[torch.Tensor] = None  # int32 [G, N / 8], the true zero points
     perm: Optional[torch.Tensor] = None  # act-order: the input columns in group order (None: in order already)
     declined: Optional[str] = None
-    scales: dict = field(default_factory=dict)  # (id, version) of the scales tensor -> its bfloat16 copy
+    scales: Optional[tuple] = None  # (the scales tensor, its (id, version), its bfloat16 copy)
 
 
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # QuantizedWeight.qweight (the module's buffer) -> HpuInt4
@@ -134,12 +134,10 @@ def prepare(qw: QuantizedWeight) -> HpuInt4:
 
 def bf16_scales(packed: HpuInt4, qw: QuantizedWeight) -> torch.Tensor:
     """The scales [G, N] in bfloat16, cast once per scales tensor and version (scale tuning changes them in place)."""
-    tag = _tag(qw.scales)
-    got = packed.scales.get(tag)
-    if got is None or got[0] is not qw.scales:
-        packed.scales.clear()
-        got = packed.scales[tag] = (qw.scales, qw.scales.to(torch.bfloat16))
-    return got[1]
+    got = packed.scales
+    if got is None or got[0] is not qw.scales or got[1] != _tag(qw.scales):
+        got = packed.scales = (qw.scales, _tag(qw.scales), qw.scales.to(torch.bfloat16))
+    return got[2]
 
 
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
