@@ -88,6 +88,11 @@ class Choice:
     # Usable implementations after the chosen one, in the order a declined call tries them (native/composite last).
     then: list = field(default_factory=list)
 
+    @property
+    def chain(self) -> tuple:
+        """The chosen implementation, then the ones a declined call tries, in order."""
+        return (self.implementation, *self.then)
+
 
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, list[Implementation]] = {}
@@ -287,7 +292,7 @@ class Kernels:
         fn, terminal = self._terminal(choice.op)
         if choice.implementation.name == NATIVE:
             return fn
-        chain = [choice.implementation, *choice.then]
+        chain = choice.chain
         for i in reversed(range(len(chain))):
             impl = chain[i]
             fn = impl.fn if impl.accepts is None else _guarded(impl, fn, chain[i + 1 :], terminal)

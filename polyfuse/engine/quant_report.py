@@ -40,7 +40,7 @@ def report(model) -> str:
         for op in ("linear_q", "swiglu_linear_q"):
             c, spec = kernels.choices[op], ops()[op]
             last = "composite " + " + ".join(spec.composed_of) if spec.compose else "native (dequantize + F.linear)"
-            chain = [f"{i.backend}:{i.name}" for i in (c.implementation, *c.then) if i.name != NATIVE] + [last]
+            chain = [f"{i.backend}:{i.name}" for i in c.chain if i.name != NATIVE] + [last]
             lines.append(f"  {op}: {' -> '.join(chain)}")
     return "\n".join(lines)
 
@@ -96,10 +96,9 @@ def warn_unaccelerated(model) -> None:
 def _warn_hpu_formats(model) -> None:
     """On Gaudi: one line for the formats other than fp8 that no Habana kernel takes in this run (int8, GGUF kept
     types; int4 where Habana's 4-bit dequantization is missing or the run is not bfloat16; fp8 has its own lines)."""
-    c = model.kernels.choices["linear_q"]
     if model.kernels.context.platform.name != "hpu":
         return
-    chain = [HPU_KERNELS[i.name] for i in (c.implementation, *c.then) if i.name in HPU_KERNELS]
+    chain = [HPU_KERNELS[i.name] for i in model.kernels.choices["linear_q"].chain if i.name in HPU_KERNELS]
     taken = {fmt for fmt, dtypes in chain if model.dtype in dtypes}
     left = sorted({q.format for q in quantized_modules(model).values()} - taken - {"fp8", "fp8_block"})
     if left:

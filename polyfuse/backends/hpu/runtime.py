@@ -81,8 +81,7 @@ class HpuGraphStep(Step):
 
 
 def _runs_uint4(kernels) -> bool:
-    c = kernels.choices["linear_q"]
-    chain = {i.name for i in (c.implementation, *c.then)}
+    chain = {i.name for i in kernels.choices["linear_q"].chain}
     return "uint4_matmul" in chain and kernels.context.dtype in int4_linear.DTYPES
 
 
