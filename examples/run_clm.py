@@ -180,7 +180,7 @@ def _parse_overrides(text: str) -> dict:
 def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArguments):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from polyfuse.engine.compat import DTYPE_KW  # dtype= from transformers 4.56 on, torch_dtype= before
+    from polyfuse.compat import DTYPE_KW  # dtype= from transformers 4.56 on, torch_dtype= before
 
     path, gguf = script.model_name_or_path, script.gguf_file
     if path is None:
@@ -241,7 +241,7 @@ def _rope_checked(config):
     try:
         yield
     except KeyError:
-        from polyfuse.engine.rope import check_rope_type
+        from polyfuse.models.rope import check_rope_type
 
         check_rope_type(config() if callable(config) else config)
         raise

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from polyfuse.engine.compat import DTYPE_KW, llama_config
+from polyfuse.compat import DTYPE_KW, llama_config
 from polyfuse.ops.quant_formats import GGUF_TYPES, K_QUANTS, quantize
 
 
@@ -361,7 +361,7 @@ def add_gguf_shape(writer, cfg) -> None:
 def write_tiny_gguf(path, model, types: dict):
     """A llama GGUF of ``model``'s weights, the projections in the given ggml types (the rest float32)."""
     gguf = pytest.importorskip("gguf")
-    from polyfuse.engine.loading import hf_state_items
+    from polyfuse.loader.load import hf_state_items
 
     cfg = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)

@@ -23,7 +23,7 @@ def _run(args, timeout=240):
 def test_benchmark_generation_tiny(tmp_path):
     out = tmp_path / "gen.jsonl"
     _run([
-        "examples/benchmark_generation.py", "--shapes", "tiny", "--batch_sizes", "1,2", "--new_tokens", "4",
+        "benchmarks/benchmark_generation.py", "--shapes", "tiny", "--batch_sizes", "1,2", "--new_tokens", "4",
         "--prompt_len", "8", "--peers", "eager", "--peer_shapes", "tiny", "--peer_batch_sizes", "1",
         "--prefill", "16", "--prefill_idle", "0.01", "--flags", "", "--output", str(out),
     ])  # fmt: skip
@@ -71,7 +71,7 @@ def test_prefill_rows_name_the_attention_that_runs():
 def test_benchmark_training_tiny(tmp_path):
     out = tmp_path / "train.json"
     proc = _run([
-        "examples/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "benchmarks/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
         "--gradient_checkpointing", "--output", str(out),
     ])  # fmt: skip
     res = json.loads(out.read_text())
@@ -94,7 +94,7 @@ def test_benchmark_training_time_budget(tmp_path):
     """A spent budget starts nothing more, says what it skipped, and still writes the JSON."""
     out = tmp_path / "train.json"
     proc = _run([
-        "examples/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "benchmarks/benchmark_training.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
         "--time_budget_s", "1e-9", "--output", str(out),
     ])  # fmt: skip
     res = json.loads(out.read_text())
@@ -106,7 +106,7 @@ def test_benchmark_training_time_budget(tmp_path):
 def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
     """benchmark_training.py --memory_peak: the replay of the allocator's events keeps the set alive at the highest
     total, not the last or the largest single block."""
-    from polyfuse.bench.memory_peak import _site, live_at_peak
+    from benchmarks.harness.memory_peak import _site, live_at_peak
 
     fr = [{"filename": "/x/site-packages/polyfuse/models/decoder.py", "line": 7, "name": "block"}]
     trace = [
@@ -125,11 +125,11 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
 
 
 def test_benchmark_lora_tiny(tmp_path):
-    """examples/benchmark_lora.py: polyfuse + PEFT and transformers + PEFT, the same adapter size, a ratio line."""
+    """benchmarks/benchmark_lora.py: polyfuse + PEFT and transformers + PEFT, the same adapter size, a ratio line."""
     pytest.importorskip("peft")
     out = tmp_path / "lora.json"
     proc = _run([
-        "examples/benchmark_lora.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
+        "benchmarks/benchmark_lora.py", "--shape", "tiny", "--seq", "32", "--steps", "1", "--batch", "1,2",
         "--gradient_checkpointing", "--output", str(out),
     ])  # fmt: skip
     res = json.loads(out.read_text())
@@ -167,7 +167,7 @@ def test_time_median_pause_idles_before_each_call_outside_the_timing():
     """``pause`` sleeps before every timed call (the device idle) and is not counted in the time."""
     import time
 
-    from polyfuse.bench.measure import time_median
+    from benchmarks.harness.measure import time_median
 
     calls = []
     t0 = time.perf_counter()
@@ -186,7 +186,7 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
 
     import torch
 
-    from polyfuse.bench.shapes import config_for
+    from benchmarks.harness.shapes import config_for
     from polyfuse.models import AutoModelForCausalLM
 
     spec = importlib.util.spec_from_file_location(

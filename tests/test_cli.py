@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:

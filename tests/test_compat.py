@@ -1,4 +1,4 @@
-"""What polyfuse.engine.compat smooths over between transformers 4.55 (what Gaudi's optimum-habana pins; ``make
+"""What polyfuse.compat smooths over between transformers 4.55 (what Gaudi's optimum-habana pins; ``make
 test-compat`` runs this suite under it) and 5.x (``make test``): rotary settings given as 5.x's rope_parameters reach
 every family's config, a 5.x config.json loads under 4.x, config sizes are type-checked on every version, a GGUF's
 tokenizer follows the file's special tokens and is cached per transformers version, and Habana's fused clip-norm
@@ -13,10 +13,10 @@ from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from polyfuse import compat
+from polyfuse.checkpoint.config import config_from_dict
 from polyfuse.core.errors import CheckpointError
-from polyfuse.engine import compat
-from polyfuse.engine.config import config_from_dict
-from polyfuse.engine.rope import RotaryEmbedding
+from polyfuse.models.rope import RotaryEmbedding
 
 
 SIZES = dict(
@@ -99,7 +99,7 @@ def test_saved_config_records_dtype_as_transformers_reads_it(tmp_path):
 
 def test_gguf_tokenizer_cache_is_per_transformers_version(tmp_path, monkeypatch):
     """5.x saves tokenizer_class "TokenizersBackend", which 4.x cannot load: each version converts its own."""
-    from polyfuse.engine import tokenizer as tok_mod
+    from polyfuse.checkpoint import tokenizer as tok_mod
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -135,7 +135,7 @@ def test_gguf_tokenizer_cache_is_per_transformers_version(tmp_path, monkeypatch)
 def test_builtin_gguf_tokenizer_follows_the_file():
     """The built-in SmolLM2 GGUF says bos 1 (<|im_start|>), eos 2 (<|im_end|>), no BOS prepended. transformers 4.55's
     conversion makes <|im_start|> the EOS too and prepends a BOS; load_tokenizer corrects both."""
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:

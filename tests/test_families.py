@@ -32,9 +32,9 @@ from transformers.masking_utils import (
 )
 
 import polyfuse
+from polyfuse.compat import DTYPE_KW, rope_parameters
 from polyfuse.core.errors import CheckpointError
 from polyfuse.core.registry import SelectionContext, bound, resolve
-from polyfuse.engine.compat import DTYPE_KW, rope_parameters
 from polyfuse.models import FAMILIES as POLYFUSE_FAMILIES
 from polyfuse.models import AutoModelForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from polyfuse.ops.attention import AttentionMeta, attention_native, cache_mask
@@ -287,7 +287,7 @@ def test_gguf_qkv_in_two_types_with_biases_is_kept_as_a_stack(tmp_path):
     """Qwen2 (q/k/v biases) from a GGUF whose q/k are Q8_0 and v Q4_0: q/k/v kept as a QLinearStack (one Q8_0 weight
     for q/k, one Q4_0 for v, then the fused bias), the logits of the same file loaded dequantized; saved and loaded
     back, the same logits."""
-    from polyfuse.engine.qlinear import QLinearStack, quantized_modules
+    from polyfuse.quant.qlinear import QLinearStack, quantized_modules
 
     hf = hf_model("qwen2", seed=8, hidden_size=64, intermediate_size=128)
     write_gguf(hf, "qwen2", tmp_path / "mixed.gguf", {"q_proj": "Q8_0", "k_proj": "Q8_0", "v_proj": "Q4_0"})

@@ -349,7 +349,7 @@ def test_fsdp_options_polyfuse_refuses_are_one_error_line(run_clm, tmp_path, cap
 
 @pytest.fixture(scope="module")
 def two_layer_model(tmp_path_factory):
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(*_builtin_or_skip())
     return write_tiny_cli_model(str(tmp_path_factory.mktemp("two_layers")), tokenizer, max_position_embeddings=64)
@@ -482,7 +482,7 @@ def test_deepspeed_without_the_package_is_one_error_line(run_clm, tmp_path, caps
 
 
 def test_benchmark_fsdp_tiny_under_torchrun(tmp_path):
-    """examples/benchmark_fsdp.py --shape tiny: both Trainers run FSDP2 on 2 gloo processes, rank 0 prints one line
+    """benchmarks/benchmark_fsdp.py --shape tiny: both Trainers run FSDP2 on 2 gloo processes, rank 0 prints one line
     per case and the ratio, and the JSON has both cases (the GPU run: docs/training.md, "FSDP2")."""
     out = tmp_path / "bench.json"
     p = _run(_torchrun(ROOT / "examples" / "benchmark_fsdp.py", "--shape", "tiny", "--steps", "2", "--warmup", "1",

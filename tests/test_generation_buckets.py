@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from polyfuse.engine.generation import bucketed, forget_steppers
+from polyfuse.generation.generate import bucketed, forget_steppers
 from polyfuse.models.llama import LlamaForCausalLM
 
 

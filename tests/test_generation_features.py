@@ -21,7 +21,7 @@ from helpers import (
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
-from polyfuse.engine.generation import _token_state, forget_steppers
+from polyfuse.generation.generate import _token_state, forget_steppers
 from polyfuse.models.llama import LlamaForCausalLM
 
 
@@ -295,7 +295,7 @@ def test_stop_token_ids_end_rows_like_eos(pair, batch):
 @pytest.fixture(scope="module")
 def worded(tmp_path_factory):
     """A random untied Llama over the built-in tokenizer's vocabulary (varied words, unlike a tied tiny one)."""
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:
@@ -367,7 +367,7 @@ def test_stop_strings_stop_where_transformers_stops(worded):
     not os.environ.get("POLYFUSE_SLOW_TESTS"), reason="loads the built-in model twice; set POLYFUSE_SLOW_TESTS=1"
 )
 def test_builtin_beam_search_and_penalty_match_transformers():
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     folder, name = builtin_model()
@@ -479,7 +479,6 @@ def gpu_pair(tmp_path_factory):
 @pytest.mark.cuda
 @pytest.mark.parametrize("bucket", [-1, 16])
 def test_cuda_graphs_penalty_beams_streaming_match_eager(gpu_pair, bucket):
-    from polyfuse.engine import generation
 
     eager, graphed, ids, mask = gpu_pair
     n = ids.shape[1]
@@ -494,7 +493,7 @@ def test_cuda_graphs_penalty_beams_streaming_match_eager(gpu_pair, bucket):
         want = eager.generate(ids, mask, **base, **kw)
         assert torch.equal(graphed.generate(ids, mask, **base, **kw), want), kw
         assert torch.equal(graphed.generate(ids, mask, **base, **kw), want), kw  # replays
-        _, _, decode, token = generation._STEPPERS[graphed]
+        _, _, decode, token = graphed.steps
         step = decode if "num_beams" in kw else token  # (a new cache size drops the other's graphs)
         assert step.graphs and step.disabled_reason is None, kw
         if step is token:

@@ -250,10 +250,10 @@ def test_accepts_and_the_dispatch(monkeypatch):
 
 def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Greedy decode of a tiny GGUF (q/k/v Q5_K, o Q4_K, gate/up Q4_1, down Q8_0) through the A8 path
-    against the native model whose projections get the same int8 activations (bench/act_int8.py): the same tokens,
+    against the native model whose projections get the same int8 activations (benchmarks/harness/act_int8.py): the same tokens,
     each one-row step's logits within float32 rounding."""
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
     from polyfuse.backends.triton import _qgemv
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
 
     for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q4_1_a8", "gguf_q8_0_a8"):  # few programs: the interpreter
@@ -290,8 +290,8 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
     """Batch 2 greedy decode of a tiny GGUF (Q4_K, Q6_K, Q4_0, Q8_0 projections) through gemm_q's multi-row GEMVs
     (the 10-row prompt in launches of 8 and 2 rows, every 2-row step) against the native model fed the same int8
     activations: the same tokens, the logits within float32 rounding."""
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
     from polyfuse.backends.triton import _qgemv
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
 
     for fmt in ("gguf_q4_k_a8", "gguf_q6_k_a8", "gguf_q4_0_a8", "gguf_q8_0_a8"):  # few programs: the interpreter

@@ -1,4 +1,4 @@
-"""GPTQ at load time (polyfuse/engine/gptq.py, quantize_model_(..., calibration=...)): the same layout as round to
+"""GPTQ at load time (polyfuse/quant/gptq.py, quantize_model_(..., calibration=...)): the same layout as round to
 nearest, with each column's rounding error fed forward through the inverse Hessian of the projection's inputs."""
 
 import logging
@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (autouse: one intra-op thread)
 
-from polyfuse.engine.gptq import SINK_TOKENS, dampening, gptq_components, sink_weighted
-from polyfuse.engine.qlinear import QLinear
-from polyfuse.engine.quantize import quantize_model_
 from polyfuse.ops import quant_formats as qf
+from polyfuse.quant.gptq import SINK_TOKENS, dampening, gptq_components, sink_weighted
+from polyfuse.quant.qlinear import QLinear
+from polyfuse.quant.quantize import quantize_model_
 
 
 FORMATS = ("int4", "int8", "fp8")
@@ -103,8 +103,8 @@ def test_quantize_model_with_calibration_keeps_the_layout_and_beats_round_to_nea
 def test_fused_parts_share_one_factorization(monkeypatch):
     """q / k / v and gate / up share their input, hence H: its inverse is factored once per projection (4 per
     layer), not once per part (7), and the parts quantized with the shared factor equal those with their own."""
-    from polyfuse.engine import gptq
     from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.quant import gptq
 
     cfg = tiny_config(hidden_size=64, intermediate_size=128)
     calibration = [torch.randint(3, 300, (4, 32), generator=torch.Generator().manual_seed(5))]
@@ -170,9 +170,9 @@ def test_gptq_records_one_layer_at_a_time_with_the_float_models_inputs(monkeypat
     with stop_early: the forward stops after that layer, so layer l runs layers 0..l only, and one layer's H is held,
     not the model's), every projection still float while recording; the packed weights equal those from every H
     recorded in one forward of the float model, bit for bit."""
-    from polyfuse.engine import gptq
-    from polyfuse.engine import quantize as qz
     from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.quant import gptq
+    from polyfuse.quant import quantize as qz
 
     cfg = tiny_config(hidden_size=64, intermediate_size=128)
     calibration = [torch.randint(3, 300, (4, 32), generator=torch.Generator().manual_seed(5))] * 2
@@ -215,9 +215,9 @@ def test_gptq_records_one_layer_at_a_time_with_the_float_models_inputs(monkeypat
 def test_gptq_records_no_hessian_for_a_projection_it_cannot_pack(monkeypatch, caplog):
     """int4 with an MLP width of 100 (not a multiple of 8): gate/up and down keep their dtype (one warning naming
     them) and their H is never recorded; q/k/v and o are packed by GPTQ, every one reached."""
-    from polyfuse.engine import gptq
-    from polyfuse.engine import quantize as qz
     from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.quant import gptq
+    from polyfuse.quant import quantize as qz
 
     cfg = tiny_config(hidden_size=64, intermediate_size=100)
     calibration = [torch.randint(3, 300, (2, 32), generator=torch.Generator().manual_seed(5))]

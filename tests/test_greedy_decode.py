@@ -11,7 +11,7 @@ from helpers import Recorded, fake_cuda_graphs
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
-from polyfuse.engine.generation import TokenStep, _token_state, bucketed, ensure_cache, forget_steppers
+from polyfuse.generation.generate import TokenStep, _token_state, bucketed, ensure_cache, forget_steppers
 from polyfuse.models.llama import LlamaForCausalLM
 
 

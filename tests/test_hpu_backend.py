@@ -721,7 +721,7 @@ def test_set_kernels_torch_compile_on_hpu(monkeypatch, mode):
     import transformers
 
     from polyfuse.core.registry import Kernels
-    from polyfuse.engine import loading
+    from polyfuse.loader import load as loading
     from polyfuse.models.llama import LlamaForCausalLM
 
     _import_double(monkeypatch, lazy=mode == "lazy")
@@ -1056,7 +1056,7 @@ def test_sampling_with_a_generator_on_another_device(monkeypatch):
     device than its input: sampling draws on the generator's device and returns the token on the logits' device.
     (No second device on a CPU machine: the generator claims to live on "meta"; the real pairing is HPU logits with
     a CPU generator, or CUDA ones in test_sampling_cpu_generator_with_cuda_logits.)"""
-    from polyfuse.engine.sampling import next_token
+    from polyfuse.generation.sampling import next_token
 
     calls = []
 
@@ -1075,7 +1075,7 @@ def test_sampling_with_a_generator_on_another_device(monkeypatch):
 
 @pytest.mark.cuda
 def test_sampling_cpu_generator_with_cuda_logits():
-    from polyfuse.engine.sampling import next_token
+    from polyfuse.generation.sampling import next_token
 
     logits = torch.randn(3, 11, device="cuda")
     a = next_token(logits, do_sample=True, generator=torch.Generator().manual_seed(0))
@@ -1163,7 +1163,8 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
     mode: Habana's entry points receive the calls (FusedSDPA with the right mode per step, FusedRMSNorm, FusedRoPE,
     HPU graphs, mark_step in lazy mode only), HPU graphs capture at most one graph per KV bucket plus one for the
     prompt (the cache position is one tensor advanced in place), and the greedy tokens equal the native run's."""
-    from polyfuse.engine import generation, loading
+    from polyfuse.generation import generate as generation
+    from polyfuse.loader import load as loading
     from polyfuse.models.llama import LlamaForCausalLM
 
     cfg = _tiny_cfg()

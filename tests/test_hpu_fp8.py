@@ -181,9 +181,9 @@ def test_quantized_model_runs_habanas_fp8_gemm(gaudi, dtype):
     to Gaudi2's range, and the logits stay near the weight-only reference model's (W8A8 against W8A16)."""
     from helpers import tiny_config
 
-    from polyfuse.engine import qlinear
-    from polyfuse.engine import quantize as q
     from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.quant import qlinear
+    from polyfuse.quant import quantize as q
 
     hf, gen = gaudi
     cfg = tiny_config()
@@ -234,7 +234,7 @@ def test_loading_says_what_runs_fp8_on_hpu(gaudi, monkeypatch, caplog):
     import logging
     from types import SimpleNamespace
 
-    from polyfuse.engine import quant_report
+    from polyfuse.quant import report as quant_report
 
     for fmt, dtype, want in (
         ("fp8", torch.bfloat16, []),
@@ -257,9 +257,9 @@ def test_weights_quantized_on_a_gaudi2_fit_its_range(gaudi, monkeypatch):
     """Quantizing on the device (--quant fp8 at load, random weights, quantize_model_) scales fp8 to the device's
     range: 240 on Gaudi2, as INC does (Gaudi2 cannot hold the larger codes, so halving afterwards could not repair
     them), 448 elsewhere; the weights are the same up to e4m3's rounding either way."""
-    from polyfuse.engine import qlinear
-    from polyfuse.engine import quantize as q
-    from polyfuse.engine.quantize import device_quantizer
+    from polyfuse.quant import qlinear
+    from polyfuse.quant import quantize as q
+    from polyfuse.quant.quantize import device_quantizer
 
     hf, gen = gaudi
     top = 240.0 if gen == "gaudi2" else 448.0

@@ -210,9 +210,9 @@ def test_int4_model_runs_habanas_dequantization(hf, dtype):
     made (the kernel takes bfloat16 only) and every call runs the reference."""
     from helpers import tiny_config
 
-    from polyfuse.engine import qlinear
-    from polyfuse.engine import quantize as q
     from polyfuse.models.llama import LlamaForCausalLM
+    from polyfuse.quant import qlinear
+    from polyfuse.quant import quantize as q
 
     cfg = tiny_config(hidden_size=128, intermediate_size=256)  # whole groups of 128 in every projection
     ref = LlamaForCausalLM.from_config(cfg, seed=3, dtype=dtype)
@@ -240,7 +240,7 @@ def test_loading_says_what_no_habana_kernel_takes(hf, monkeypatch, caplog):
     as stored, or int4 in a float32 or float16 run, get one warning line naming what runs."""
     from types import SimpleNamespace
 
-    from polyfuse.engine import quant_report
+    from polyfuse.quant import report as quant_report
 
     for fmts, dtype, want in (
         (("int4",), torch.bfloat16, []),

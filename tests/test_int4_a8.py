@@ -179,9 +179,9 @@ def test_accepts_and_the_dispatch(monkeypatch):
 def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Greedy decode of an int4 tiny Llama through the W4A8 path (the model's own ops: the norm + GEMV pair,
     SwiGLU + GEMV, the plain GEMV) against the native model whose int4 projections are given the same quantized
-    activations (bench/act_int8.py, what evaluate_perplexity.py's int4+a8 scores): the same tokens, and each one-row
+    activations (benchmarks/harness/act_int8.py, what evaluate_perplexity.py's int4+a8 scores): the same tokens, and each one-row
     step's logits within float32 rounding."""
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
     from polyfuse.models.llama import LlamaForCausalLM
 
     src = LlamaForCausalLM.from_config(tiny_config(num_key_value_heads=2), seed=3)

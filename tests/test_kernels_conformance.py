@@ -121,7 +121,7 @@ def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
 # is the op on the activations the kernel multiplies (quantized in blocks of 32 and back, ops/act_int8.py), in float32
 # and rounded once (SwiGLU's product rounded first, the norm native), where that kernel takes the call.
 def _a8_linear_q(x, qweight, bias=None):
-    from polyfuse.bench.act_int8 import int8_activations
+    from benchmarks.harness.act_int8 import int8_activations
     from polyfuse.ops.quant_linear import linear_q_native
 
     return linear_q_native(int8_activations(x), qweight, None if bias is None else bias.float()).to(x.dtype)

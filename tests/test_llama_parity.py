@@ -23,8 +23,8 @@ from helpers import (
     tiny_config,
 )
 
-from polyfuse.engine.compat import rope_parameters
-from polyfuse.engine.saving import save_pretrained
+from polyfuse.compat import rope_parameters
+from polyfuse.loader.save import save_pretrained
 from polyfuse.models.llama import LlamaForCausalLM
 
 
@@ -243,7 +243,7 @@ def test_no_cache_and_buckets_give_same_greedy_tokens(gen_pair):
 @pytest.fixture(scope="module")
 def builtin():
     """polyfuse and transformers each dequantize the same GGUF; loaded once per module (the slow part)."""
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:

@@ -151,7 +151,7 @@ def test_loss_and_adapter_gradients_match_transformers_peft(family, folders):
 def test_builtin_model_loss_and_gradients_match_transformers_peft():
     """The built-in SmolLM2-135M (its GGUF dequantized by polyfuse's loader, the same tensors copied into
     transformers' Llama of the same config), LoRA rank 4 on all seven projections of all 30 layers."""
-    from polyfuse.engine.loading import hf_state_items
+    from polyfuse.loader.load import hf_state_items
     from polyfuse.models.builtin import builtin_model
 
     try:
@@ -429,7 +429,7 @@ def test_slices_add_no_parameters_and_follow_the_fused_weight(folders):
 
 
 def test_quantization_ignores_the_slices(folders):
-    from polyfuse.engine import qlinear, quantize
+    from polyfuse.quant import qlinear, quantize
 
     pf = PfAuto.from_pretrained(folders("llama"))
     candidates = [n for n, _ in quantize._candidates(pf)]

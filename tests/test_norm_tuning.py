@@ -1,4 +1,4 @@
-"""Norm re-tuning after quantization (polyfuse/engine/norm_tuning.py; run_generation.py --quant_tune_norms,
+"""Norm re-tuning after quantization (polyfuse/quant/tuning.py; run_generation.py --quant_tune_norms,
 evaluate_perplexity.py +norms): only the RMSNorm weights move, the quantized model's distributions come back toward
 the float model's on text it was not tuned on, the model's state is restored, and a save carries the tuned norms."""
 
@@ -11,7 +11,12 @@ import torch
 import transformers
 from helpers import one_thread, tiny_config  # noqa: F401  (autouse: one intra-op thread)
 
-from polyfuse.engine.norm_tuning import (
+from polyfuse.models import AutoModelForCausalLM
+from polyfuse.models.llama import LlamaForCausalLM
+from polyfuse.models.qwen3 import Qwen3ForCausalLM
+from polyfuse.quant.qlinear import QLinear
+from polyfuse.quant.quantize import quantize_lm_head_, quantize_model_
+from polyfuse.quant.tuning import (
     norm_targets,
     norm_weights,
     scaled_modules,
@@ -20,11 +25,6 @@ from polyfuse.engine.norm_tuning import (
     tuned_norm_count,
     tuned_scale_count,
 )
-from polyfuse.engine.qlinear import QLinear
-from polyfuse.engine.quantize import quantize_lm_head_, quantize_model_
-from polyfuse.models import AutoModelForCausalLM
-from polyfuse.models.llama import LlamaForCausalLM
-from polyfuse.models.qwen3 import Qwen3ForCausalLM
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,7 @@ def test_cli_tuning_that_no_pass_improves_says_it_once(caplog, capsys, monkeypat
     """run_generation.py's tuning step, when no pass lowers the held-out KL (steps too large, as above): the library's
     one warning line, and no summary line claiming values were fitted."""
     from polyfuse.cli.generate import tune_norms
-    from polyfuse.engine import norm_tuning
+    from polyfuse.quant import tuning as norm_tuning
 
     real = norm_tuning.tune_norms_
     monkeypatch.setattr(norm_tuning, "tune_norms_", lambda *a, **k: real(*a, lr=0.5, scale_lr=0.5, **k))
@@ -177,7 +177,7 @@ def test_cli_tuning_that_no_pass_improves_says_it_once(caplog, capsys, monkeypat
 def test_an_error_during_tuning_puts_everything_back(monkeypatch, with_norms):
     """A step that fails (here: the third window's forward) leaves the norms, scales, kernels, modes and flags as they
     were."""
-    from polyfuse.engine import norm_tuning
+    from polyfuse.quant import tuning as norm_tuning
 
     calibration = _windows(8)
     model = _tiny()
@@ -210,7 +210,7 @@ def test_an_error_writing_the_kept_scales_puts_them_back(monkeypatch):
     """The kept values are computed for every module before any buffer is written, and the scales are restored from
     copies on an error: a failure there (here: computing the kept value of the third module; the steps' own calls
     run with grad enabled) leaves every scale and norm as it was."""
-    from polyfuse.engine import norm_tuning
+    from polyfuse.quant import tuning as norm_tuning
 
     calibration = _windows(8)
     model = _tiny()
@@ -355,7 +355,7 @@ def test_cli_tuning_steps():
     library's 128 when neither has one); two different STEPS are one error."""
     from polyfuse.cli.args import build_parser
     from polyfuse.cli.generate import UsageError, tune_steps, validate
-    from polyfuse.engine.norm_tuning import NORM_STEPS
+    from polyfuse.quant.tuning import NORM_STEPS
 
     base = ["--quant", "int4", "--quant_calibration", "x.txt"]
     for extra, steps in (
@@ -382,7 +382,7 @@ def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     library's."""
     from polyfuse.cli.args import build_parser
     from polyfuse.cli.generate import main
-    from polyfuse.engine.norm_tuning import NORM_STEPS
+    from polyfuse.quant.tuning import NORM_STEPS
 
     assert build_parser().parse_args(["--quant_tune_norms"]).quant_tune_norms == NORM_STEPS
     text = tmp_path / "cal.txt"
@@ -422,8 +422,8 @@ def test_cuda_norm_tuning_bf16(builtin, norms, scales):
     quantized matmuls' references); the KL on the window falls, the run's kernels are back (the one-row decode on the
     Triton GEMV), they read the tuned float16 scales (the serving logits move with the scales alone) and greedy
     decoding runs. Both cases passed on an H200 (session 32; the norms' also in session 31)."""
-    from polyfuse.engine.gptq import calibration_windows
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
+    from polyfuse.quant.gptq import calibration_windows
 
     path, gguf = builtin
     tokenizer = load_tokenizer(path, gguf)

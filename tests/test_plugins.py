@@ -303,7 +303,10 @@ def _module_strings(layer: str, prefix: str) -> list:
         ("core", ("core",), None),
         ("ops", ("core", "ops"), None),
         ("models", None, ("backends",)),
-        ("engine", None, ("models", "backends")),
+        ("generation", None, ("models", "backends", "loader", "quant")),
+        ("checkpoint", None, ("models", "backends", "loader", "quant", "generation")),
+        ("quant", None, ("models", "backends", "loader", "generation")),
+        ("loader", None, ("models", "backends", "generation")),
     ],
 )
 def test_layering(layer, allowed, forbidden):

@@ -415,8 +415,8 @@ def test_which_implementation_takes_which_rows(dtype):
     which quantizes the activations to e4m3 too: the largest error within 15% of the outputs' rms)."""
     from helpers import cpu_scaled_mm_missing
 
+    from benchmarks.harness.act_int8 import int8_activations
     from polyfuse.backends.triton import gemv_gguf_a8
-    from polyfuse.bench.act_int8 import int8_activations
 
     calls = []
     kern = recording_kernels(calls)
@@ -491,7 +491,7 @@ def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
     reference forced (-linear_q,-swiglu_linear_q)."""
     from helpers import linear_q_taker, tiny_config
 
-    from polyfuse.engine.loading import set_kernels
+    from polyfuse.loader.load import set_kernels
     from polyfuse.models.llama import LlamaForCausalLM
 
     cfg = tiny_config(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2)
@@ -508,7 +508,7 @@ def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
 
 
 def test_benchmark_linear_quant_rows_smoke(monkeypatch):
-    """examples/benchmark_linear.py --quant's timing function on a small shape (the CUDA-graph timer replaced by two
+    """benchmarks/benchmark_linear.py --quant's timing function on a small shape (the CUDA-graph timer replaced by two
     calls, on the first and last weight copy): every kernel row is checked against the reference and timed, none
     reports an error."""
     import importlib.util
@@ -547,7 +547,7 @@ def test_fp8_without_fp8_tensor_cores_says_what_runs(monkeypatch, caplog):
 
     from polyfuse.core.context import SelectionContext
     from polyfuse.core.platform import Platform
-    from polyfuse.engine import quant_report
+    from polyfuse.quant import report as quant_report
 
     monkeypatch.setattr(quant_report, "quantized_modules", lambda model: {"p": SimpleNamespace(format="fp8")})
     a100 = Platform("cuda", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
@@ -575,7 +575,7 @@ def test_fp8_block_says_what_runs_where_the_block_gemm_does_not(monkeypatch, cap
 
     from polyfuse.core.context import SelectionContext
     from polyfuse.core.platform import Platform
-    from polyfuse.engine import quant_report
+    from polyfuse.quant import report as quant_report
 
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch, "__version__", "2.11.0")

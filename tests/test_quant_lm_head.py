@@ -1,4 +1,4 @@
-"""--quant_lm_head (engine/quantize.py quantize_lm_head_): the LM head packed after loading, untied where it was
+"""--quant_lm_head (quant/quantize.py quantize_lm_head_): the LM head packed after loading, untied where it was
 tied, computed by the linear_q ops in forward (the loss from its logits) and in decode steps, saved with the checkpoint (AutoGPTQ's
 ``lm_head: true``, polyfuse's ``formats``) and loaded back as stored; what it refuses."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 
-from polyfuse.engine import quantize as qz
-from polyfuse.engine.qlinear import QLinear
-from polyfuse.engine.quant_report import report
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.ops import quant_formats as qf
+from polyfuse.quant import quantize as qz
+from polyfuse.quant.qlinear import QLinear
+from polyfuse.quant.report import report
 
 
 IDS = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(7))
@@ -124,13 +124,12 @@ def test_tied_config_with_a_packed_head_loads_untied(tmp_path, caplog):
 
 def test_quantizing_after_a_generate_drops_the_steppers(tiny_dir):
     """Graphs captured by an earlier generate() read the float head: quantize_lm_head_ drops the model's steppers."""
-    from polyfuse.engine import generation
 
     model = LlamaForCausalLM.from_pretrained(tiny_dir[0], quant="int8")
     model.generate(IDS, max_new_tokens=2, ignore_eos=True)
-    assert model in generation._STEPPERS
+    assert model.steps is not None
     qz.quantize_lm_head_(model)
-    assert model not in generation._STEPPERS
+    assert model.steps is None
 
 
 @pytest.mark.parametrize("fmt", ["gguf_q6_k", "gguf_q4_0"])

@@ -1,4 +1,4 @@
-"""Tensor parallelism for packed weights (engine/quant_shards.py), in process: a rank's slice of every component of
+"""Tensor parallelism for packed weights (quant/shards.py), in process: a rank's slice of every component of
 every format, cut from the whole projection's, dequantizes to exactly the rank's rows or columns of the whole
 weight; shards that split a packed entry are refused with the reason. The TP=2 runs against TP=1 on checkpoints
 of each format are in tests/tp_worker.py (test_tensor_parallel.py)."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from polyfuse.distributed.sharding import Shard
-from polyfuse.engine.quant_shards import cannot_split, take
 from polyfuse.ops.quant_formats import K_QUANTS, QuantizedWeight, components, dequantize, quantize
+from polyfuse.quant.shards import cannot_split, take
 
 
 FORMATS = [
@@ -117,8 +117,8 @@ def test_the_load_reads_g_idx_to_refuse_act_order_by_columns_only():
     """QuantSetup's check before any weight is copied: a GPTQ checkpoint's g_idx tells act-order apart; by rows it
     splits, by columns it is refused with one error naming the projection and the way out."""
     from polyfuse.distributed.sharding import TensorParallelError
-    from polyfuse.engine.quant_checkpoint import Checkpoint
-    from polyfuse.engine.quantize import QuantSetup
+    from polyfuse.quant.checkpoint import Checkpoint
+    from polyfuse.quant.quantize import QuantSetup
 
     in_order = torch.arange(256, dtype=torch.int32) // 128
     shuffled = in_order[torch.randperm(256, generator=torch.Generator().manual_seed(0))]
@@ -151,8 +151,8 @@ def test_gguf_blocks_kept_under_tensor_parallelism_are_checked_when_built():
     from torch import nn
 
     from polyfuse.distributed.sharding import TensorParallelError
-    from polyfuse.engine.quant_checkpoint import Checkpoint
-    from polyfuse.engine.quantize import QuantSetup
+    from polyfuse.quant.checkpoint import Checkpoint
+    from polyfuse.quant.quantize import QuantSetup
 
     name = "model.layers.0.mlp.down_proj"
     setup = QuantSetup("gguf", Checkpoint("gguf", gguf_types={f"{name}.weight": "Q4_1"}), True, "cpu", torch.float32)

@@ -29,12 +29,12 @@ from helpers import linear_q_taker, one_thread, tiny_config, write_tiny_gguf  # 
 from quant_cases import act_order, quantized, random_gguf
 
 from polyfuse.core import registry
-from polyfuse.engine import quant_report
-from polyfuse.engine import quantize as qz
-from polyfuse.engine.qlinear import QLinear, QLinearStack, quantized_modules
-from polyfuse.engine.quant_checkpoint import Checkpoint
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.ops import quant_formats as qf
+from polyfuse.quant import quantize as qz
+from polyfuse.quant import report as quant_report
+from polyfuse.quant.checkpoint import Checkpoint
+from polyfuse.quant.qlinear import QLinear, QLinearStack, quantized_modules
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -391,7 +391,7 @@ def test_triton_fp8_row_quantization_is_torchs():
 
 
 def test_fp8_activations_are_what_scaled_mm_multiplies():
-    """ops/quant_linear.py ``fp8_activations`` (what bench/act_fp8.py's W8A8 emulation feeds the weight-only
+    """ops/quant_linear.py ``fp8_activations`` (what benchmarks/harness/act_fp8.py's W8A8 emulation feeds the weight-only
     reference) times the dequantized weight, in float32, against torch._scaled_mm on the same e4m3 rows and scales
     (``fp8_token_rows``, which cuda:scaled_mm runs): the same products, summed in another order. With 128-column
     groups an outlier coarsens only its own group: the other groups round as without it."""
@@ -542,7 +542,7 @@ def _write_checkpoint(path, config: dict, tensors: dict) -> None:
 
 
 def _split_state(model) -> dict:
-    from polyfuse.engine.loading import hf_state_items
+    from polyfuse.loader.load import hf_state_items
 
     return {k: v.clone() for k, v in hf_state_items(model)}
 
@@ -564,7 +564,7 @@ def _quantized_checkpoint(tiny_dir, out, fmt, writer, config):
             ref[name] = deq
     raw = json.loads(open(os.path.join(tiny_dir, "config.json")).read())
     _write_checkpoint(out, dict(raw, quantization_config=config), state)
-    from polyfuse.engine.loading import load_weights
+    from polyfuse.loader.load import load_weights
 
     expected = LlamaForCausalLM.from_pretrained(tiny_dir)
     with torch.no_grad():
@@ -860,7 +860,7 @@ def test_random_weights_in_gguf_types(fmt):
 
 
 def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
-    """examples/benchmark_generation.py --quant on the CPU at the tiny shape (in process: no interpreter start)."""
+    """benchmarks/benchmark_generation.py --quant on the CPU at the tiny shape (in process: no interpreter start)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -905,8 +905,8 @@ def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatc
 
 @pytest.fixture(scope="module")
 def builtin():
-    from polyfuse.bench.perplexity import token_windows
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from benchmarks.harness.perplexity import token_windows
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models import AutoModelForCausalLM
     from polyfuse.models.builtin import builtin_model
 
@@ -924,13 +924,13 @@ def builtin():
 
 @pytest.fixture(scope="module")
 def baseline(builtin):
-    from polyfuse.bench.perplexity import perplexity
+    from benchmarks.harness.perplexity import perplexity
 
     return perplexity(builtin[3], builtin[2])[0]
 
 
 def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatch):
-    from polyfuse.bench.perplexity import perplexity
+    from benchmarks.harness.perplexity import perplexity
     from polyfuse.models import AutoModelForCausalLM
 
     path, gguf, windows, _ = builtin
@@ -943,9 +943,9 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
     # activations (the default) against the float product of the activations quantized the same way, and on float
     # activations (POLYFUSE_GGUF_A8=0) against the float product.
     pytest.importorskip("triton")
+    from benchmarks.harness.act_int8 import int8_activations
     from polyfuse.backends.triton import gemv_gguf_a8
     from polyfuse.backends.triton.quant_gemv import linear_q, swiglu_linear_q
-    from polyfuse.bench.act_int8 import int8_activations
 
     def rows(q):
         qw = q.quantized_weight()
@@ -973,7 +973,7 @@ BOUNDS = {"int8": 0.01, "fp8": 0.07, "int4": 0.75}
 
 @pytest.mark.parametrize("fmt", list(BOUNDS))
 def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
-    from polyfuse.bench.perplexity import perplexity
+    from benchmarks.harness.perplexity import perplexity
 
     model = copy.deepcopy(builtin[3])
     qz.quantize_model_(model, fmt)
@@ -982,7 +982,7 @@ def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
     assert 0 <= ppl / baseline - 1 < BOUNDS[fmt], (fmt, ppl, baseline)
 
 
-# GPTQ (engine/gptq.py) calibrated on the text's tokens after the 1024 scored ones (679 tokens, 2 windows), same
+# GPTQ (quant/gptq.py) calibrated on the text's tokens after the 1024 scored ones (679 tokens, 2 windows), same
 # scoring: fp8 19.285 (-2.18%), int8 19.797 (+0.42%), int4 24.578 (+24.7%); before q/k/v's H weighed each window's
 # first tokens (gptq.sink_weighted): -0.33%, +0.43%, +97.6% (round to nearest: +5.30%, +0.63%, +62.8% on this
 # already-4-bit model; docs/quantization.md). Bounds: fp8 at most the issue's 1% above the float model's, int8 and
@@ -994,8 +994,8 @@ GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063, "int4": 0.35}
 
 @pytest.mark.parametrize("fmt", list(GPTQ_BOUNDS))
 def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
-    from polyfuse.bench.perplexity import perplexity, token_windows
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from benchmarks.harness.perplexity import perplexity, token_windows
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
 
     path, gguf, windows, dense = builtin
     with open(TEXT, encoding="utf-8") as f:
@@ -1012,7 +1012,7 @@ def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
 def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     """--quant_lm_head int8 on the built-in model (its head is the tied 49152 x 576 embedding): the loss through the
     packed head's logits; measured on these windows +0.77% against +0.63% with the head in float (docs/quantization.md)."""
-    from polyfuse.bench.perplexity import perplexity
+    from benchmarks.harness.perplexity import perplexity
 
     model = copy.deepcopy(builtin[3])
     qz.quantize_model_(model, "int8")
@@ -1024,13 +1024,13 @@ def test_perplexity_with_the_lm_head_int8(builtin, baseline):
 
 def test_perplexity_with_int8_activations(builtin, baseline):
     """int4 with its projections' activations quantized to int8 in blocks of 32 (POLYFUSE_INT4_A8's decode, emulated
-    on every position: bench/act_int8.py), token by token against int4 alone. Measured on these windows: each
+    on every position: benchmarks/harness/act_int8.py), token by token against int4 alone. Measured on these windows: each
     token's loss moves by 0.082-0.083 nats on average (absolute), the perplexity by -0.17% .. +1.10% (over AVX-512,
     AVX2 and unvectorized CPU kernels, and embeddings jittered by 1e-7: activation rounding flips amplify float
     noise; its standard error over 1022 tokens is about 0.45%). Held: the mean move in 0.04..0.16 nats, the
     perplexity within -1.5% .. +2.5% of int4's."""
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
-    from polyfuse.bench.perplexity import perplexity, token_nll
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
+    from benchmarks.harness.perplexity import perplexity, token_nll
 
     model = copy.deepcopy(builtin[3])
     qz.quantize_model_(model, "int4")
@@ -1045,13 +1045,13 @@ def test_perplexity_with_int8_activations(builtin, baseline):
 
 def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     """The built-in Q4_1 GGUF kept, its projections' activations quantized to int8 in blocks of 32 (the GGUF one-row
-    GEMV's default on the GPU, emulated on every position: bench/act_int8.py), token by token against the GGUF kept
+    GEMV's default on the GPU, emulated on every position: benchmarks/harness/act_int8.py), token by token against the GGUF kept
     on float activations (whose perplexity equals the float model's). Measured on these windows: each token's loss
     moves by 0.077-0.084 nats on average (absolute), the perplexity by -0.46% .. +1.03% (jittered embeddings and
     CPU kernels, as the int4 case above): the issue's 0.5% is met by the weight-only GEMV (POLYFUSE_GGUF_A8=0), not
     shown for this one. Held: the mean move in 0.04..0.16 nats, the perplexity within 1.5%."""
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
-    from polyfuse.bench.perplexity import token_nll
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
+    from benchmarks.harness.perplexity import token_nll
     from polyfuse.models import AutoModelForCausalLM
 
     path, gguf, windows, _ = builtin
@@ -1066,15 +1066,15 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
 
 def test_perplexity_with_fp8_activations(builtin):
     """fp8 scored with its activations rounded to e4m3 per token (fp8_block: per token and 128 columns) as a GPU's
-    W8A8 prefill GEMMs round them (bench/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
+    W8A8 prefill GEMMs round them (benchmarks/harness/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
     Measured on these windows (this CPU, session 33): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
     +8.2% .. +8.8% unjittered, docs/quantization.md); each token's loss moves by 0.205 nats on average (absolute),
     the perplexity by +4.5%. fp8_block +3.91% -> +4.88%, 0.087 nats: only the down projection (K = 1536) has K a
     multiple of 128 on this model, and a token's outlier coarsens one group, not its row. Held: fp8's mean move in
     0.1..0.4 nats and +1.5% .. +9% of perplexity; fp8_block's mean move below half of fp8's; every fp8 projection
     taken (K and N multiples of 16)."""
-    from polyfuse.bench.act_fp8 import emulate_fp8_activations_, takes_w8a8
-    from polyfuse.bench.perplexity import token_nll
+    from benchmarks.harness.act_fp8 import emulate_fp8_activations_, takes_w8a8
+    from benchmarks.harness.perplexity import token_nll
 
     moves = {}
     for fmt in ("fp8", "fp8_block"):
@@ -1104,7 +1104,7 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
 
 
 def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
-    """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (bench/act_fp8.py),
+    """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (benchmarks/harness/act_fp8.py),
     so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
     are the same)."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
@@ -1214,7 +1214,7 @@ def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monk
 def test_jittered_inputs_draws_by_seed_and_leaves_the_model_as_it_was():
     """jittered_inputs: the same seed gives the same logits twice, another seed others, the change is of the order of
     its 0.4% noise on the embedding (not zero, not large), and the model is unjittered after the block."""
-    from polyfuse.bench.perplexity import jittered_inputs
+    from benchmarks.harness.perplexity import jittered_inputs
 
     model = LlamaForCausalLM.from_config(tiny_config(), dtype=torch.float32, seed=0)
     ids = torch.randint(3, 300, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -1249,13 +1249,13 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     model's at AGREE's share of positions and the perplexity is within the CPU bounds; the decode kernels' greedy
     tokens are the argmax of the same model under the native reference (dequantize + matmul, every linear_q op
     forced to it; for the GGUF, whose one-row GEMV multiplies int8 activations, with its projections' activations
-    quantized the same way: bench/act_int8.py) on those tokens, 14 of 16 at least (the two round differently, so a
+    quantized the same way: benchmarks/harness/act_int8.py) on those tokens, 14 of 16 at least (the two round differently, so a
     near tie may flip; the GGUF against the float-activation reference agreed on 13 of 16 on an H200, session 24).
     Free-running greedy tokens against the float model's are not compared: this prompt has a near tie three tokens
     in, where the float model in bf16 and in float32 already part later on."""
-    from polyfuse.bench.act_int8 import emulate_int8_activations_
-    from polyfuse.bench.perplexity import perplexity
-    from polyfuse.engine.loading import set_kernels
+    from benchmarks.harness.act_int8 import emulate_int8_activations_
+    from benchmarks.harness.perplexity import perplexity
+    from polyfuse.loader.load import set_kernels
     from polyfuse.models import AutoModelForCausalLM
     from polyfuse.ops.act_int8 import GGUF_REQUESTED
 

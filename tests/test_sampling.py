@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from polyfuse.engine.sampling import next_token, warp
+from polyfuse.generation.sampling import next_token, warp
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ from helpers import (  # noqa: F401
 )
 from safetensors import safe_open
 
-from polyfuse.engine.compat import TRANSFORMERS_5
-from polyfuse.engine.saving import save_pretrained
+from polyfuse.compat import TRANSFORMERS_5
+from polyfuse.loader.save import save_pretrained
 from polyfuse.models import AutoModelForCausalLM as PfAuto
 from polyfuse.models.llama import LlamaForCausalLM as PfLlama
 from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments
@@ -215,7 +215,7 @@ def _tied_config_with_own_head(folder: Path, equal: bool = False) -> transformer
 
 
 def test_tied_config_with_a_different_lm_head_unties_like_transformers(tmp_path, caplog):
-    from polyfuse.engine import loading
+    from polyfuse.loader import load as loading
 
     folder = tmp_path / "ckpt"
     hf = _tied_config_with_own_head(folder)
@@ -309,7 +309,7 @@ def test_run_clm_unknown_rope_type_is_one_line(run_clm, capsys, tiny_clm_folder,
     folder = tmp_path / "bad_rope"
     shutil.copytree(tiny_clm_folder, folder)
     cfg = json.loads((folder / "config.json").read_text())
-    if TRANSFORMERS_5 or impl == "polyfuse":  # polyfuse reads 5.x's field under 4.x too (engine/compat.py)
+    if TRANSFORMERS_5 or impl == "polyfuse":  # polyfuse reads 5.x's field under 4.x too (compat.py)
         cfg["rope_parameters"] = {"rope_type": "bogus", "rope_theta": 10000.0}
     else:  # transformers 4.x reads rope_scaling and ignores rope_parameters
         cfg["rope_scaling"] = {"rope_type": "bogus", "factor": 2.0}
@@ -387,7 +387,7 @@ def test_run_clm_real_sigint_while_importing_torch(tmp_path):
 def test_tiny_temperature_samples_the_argmax(temperature):
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    from polyfuse.engine.sampling import next_token, warp
+    from polyfuse.generation.sampling import next_token, warp
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 300, generator=gen) * 8
@@ -406,7 +406,7 @@ def test_tiny_temperature_samples_the_argmax(temperature):
 def test_tiny_temperature_ties_share_the_draw_and_finite_rows_are_untouched():
     from transformers.generation.logits_process import TemperatureLogitsWarper
 
-    from polyfuse.engine.sampling import next_token, warp
+    from polyfuse.generation.sampling import next_token, warp
 
     # Row 0 overflows at 1e-40; row 1 (scores of 1e-5) stays finite and must be exactly transformers' values.
     logits = torch.tensor([[1.0, 5.0, 5.0, -2.0, 5.0], [1e-5, 2e-5, 3e-5, 4e-5, 5e-5]])
@@ -423,7 +423,7 @@ def test_tiny_temperature_ties_share_the_draw_and_finite_rows_are_untouched():
 
 @pytest.fixture(scope="module")
 def cli_folder(tmp_path_factory):
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:

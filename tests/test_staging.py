@@ -1,4 +1,4 @@
-"""Checkpoint reads straight into their destination (polyfuse/engine/staging.py): byte-exact against safetensors'
+"""Checkpoint reads straight into their destination (polyfuse/checkpoint/staging.py): byte-exact against safetensors'
 own reader, for every dtype path, and the device stager on a GPU."""
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from polyfuse.checkpoint.readers import iter_safetensors
+from polyfuse.checkpoint.staging import DeviceStager, SpanReader, copy_weight, read_spans
 from polyfuse.core.errors import CheckpointError
-from polyfuse.engine.staging import DeviceStager, SpanReader, copy_weight, read_spans
-from polyfuse.engine.weights import iter_safetensors
 
 
 @pytest.fixture

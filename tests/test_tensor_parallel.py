@@ -338,7 +338,7 @@ CLI = ["--max_new_tokens", "8", "--n_iterations", "1", "--warmup", "0", "--promp
 @pytest.fixture(scope="module")
 def tiny_cli_model(tmp_path_factory):
     """A random two-layer Llama (2 heads, 1 kv head: replicated over the 2 ranks) with the built-in tokenizer."""
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model
 
     try:
@@ -365,8 +365,8 @@ def test_cli_under_torchrun_rank0_prints(capsys, tiny_cli_model):
 def test_cli_under_torchrun_quantized(capsys, tiny_cli_model, tmp_path):
     """An int8 checkpoint (saved at TP=1) with ``--quant int8 --quant_lm_head`` under torchrun: each rank slices
     the stored int8 projections and packs its rows of the tied head; the output equals the single process's."""
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.cli.generate import main
-    from polyfuse.engine.tokenizer import load_tokenizer
     from polyfuse.models import AutoModelForCausalLM
 
     folder = str(tmp_path / "int8")

@@ -248,7 +248,7 @@ def test_trainer_trains_polyfuse_llama_like_transformers(tmp_path):
     cross-entropy) follows transformers' Trainer on transformers' Llama from the same weights."""
     import transformers
 
-    from polyfuse.engine.loading import hf_state_items
+    from polyfuse.loader.load import hf_state_items
     from polyfuse.models.llama import LlamaForCausalLM as PfLlama
 
     hf = tiny_llama(seed=5)
@@ -313,7 +313,7 @@ def test_trainer_save_resume_polyfuse_llama_matches_uninterrupted(tmp_path):
     """A polyfuse model's checkpoint-3 (a transformers checkpoint: q/k/v and gate/up split, tied lm_head left out)
     resumes into a model built from *other* weights and ends where the uninterrupted run ends: the weights are
     really read back (Trainer's own loader would match none of the names and load nothing)."""
-    from polyfuse.engine.loading import hf_state_items
+    from polyfuse.loader.load import hf_state_items
     from polyfuse.models.llama import LlamaForCausalLM as PfLlama
 
     cfg = tiny_llama().config

@@ -32,10 +32,10 @@ from helpers import left_padded, perturb_, positions, random_rows, tiny_config  
 
 from polyfuse import distributed  # noqa: E402
 from polyfuse.core.errors import CheckpointError  # noqa: E402
-from polyfuse.engine import loading  # noqa: E402
-from polyfuse.engine.qlinear import quantized_modules  # noqa: E402
+from polyfuse.loader import load as loading  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 from polyfuse.models.auto import family_for  # noqa: E402
+from polyfuse.quant.qlinear import quantized_modules  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -89,7 +89,7 @@ def count_all_reduces(model):
 
 def prefill_logits(model, ids, mask):
     """The cached prefill step (the path generation takes): the last position's logits."""
-    from polyfuse.engine.generation import ensure_cache
+    from polyfuse.generation.generate import ensure_cache
 
     with torch.inference_mode():
         model.cache = None
@@ -129,7 +129,7 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
     groups (o_proj K = 256 and down_proj K = 512 split in 128s) with a tied head of 320 rows (160 per rank):
 
     * ``ckpt_<fmt>``: a checkpoint quantized and saved at TP=1 (head packed too), loaded as stored; every rank
-      cuts its slice of the packed components (engine/quant_shards.py), so the weights are the checkpoint's;
+      cuts its slice of the packed components (quant/shards.py), so the weights are the checkpoint's;
     * ``load_<fmt>``: a float checkpoint quantized while loading (``quant=fmt``) and the head by
       ``quantize_lm_head_`` (tied: the replicated embedding's rows); int4 groups align, so TP=2 equals TP=1;
       int8 scales come from each rank's own columns of o_proj / down_proj (close to TP=1, not equal);
@@ -141,7 +141,7 @@ def quantized_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
       rank, before any weight is read."""
     from helpers import write_tiny_gguf
 
-    from polyfuse.engine.quantize import quantize_lm_head_, quantize_model_
+    from polyfuse.quant.quantize import quantize_lm_head_, quantize_model_
 
     out = {}
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -276,8 +276,8 @@ def layout_cases(rank: int, kw: dict, root: str, ids, mask) -> dict:
     with ``group_size: -1`` (one group over all of K: every rank takes it whole), compressed-tensors fp8 with 128 x
     128 block scales, an int8 checkpoint with a packed head under a config that says tied (the head untied into
     the rank's rows), and a config whose sizes do not match its float weights (one error, every rank)."""
-    from polyfuse.engine.quantize import quantize_lm_head_
     from polyfuse.ops.quant_formats import quantize_components
+    from polyfuse.quant.quantize import quantize_lm_head_
 
     out, one, llama = {}, dict(kw, tp=distributed.SINGLE), family_for("llama")
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

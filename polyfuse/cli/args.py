@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error", "critical"],
         help="level of polyfuse's and transformers' log messages",
     )
-    # ---- generation features (transformers' generate options; passed by polyfuse/engine/cli_features.py) ----
+    # ---- generation features (transformers' generate options; passed by polyfuse/cli/generation_options.py) ----
     g = p.add_argument_group("generation features (transformers' generate semantics)")
     g.add_argument(
         "--num_beams",
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the first generation's new text as tokens arrive (rank 0, --batch_size 1; one sync per token)",
     )
     # ---- end of generation features ----
-    # ---- quantized weights (polyfuse/engine/quantize.py, docs/quantization.md) ----
+    # ---- quantized weights (polyfuse/quant/quantize.py, docs/quantization.md) ----
     g = p.add_argument_group("quantized weights")
     g.add_argument(
         "--quant",

@@ -61,7 +61,7 @@ def validate(args) -> None:
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
     if getattr(args, "quant_calibration", None):
-        from polyfuse.engine.gptq import GPTQ_FORMATS
+        from polyfuse.quant.gptq import GPTQ_FORMATS
 
         if args.quant not in GPTQ_FORMATS:
             raise UsageError(f"--quant_calibration: GPTQ needs --quant {', '.join(GPTQ_FORMATS[:-1])} or "
@@ -295,7 +295,7 @@ def load_progress(nbytes: int, load_fn):
 
 
 def load_cli_tokenizer(args, path: str, gguf: str | None):
-    from polyfuse.engine.tokenizer import load_tokenizer
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
 
     src = args.tokenizer
     if src is None and gguf is None and not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
@@ -347,7 +347,7 @@ def load(args, device, flags):
         if tune:
             tune_norms(model, windows, targets, steps, *what)
     if getattr(args, "quant_lm_head", False):
-        from polyfuse.engine.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
+        from polyfuse.quant.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
         quantize_lm_head_(model, args.quant if args.quant in LOAD_TIME_FORMATS else None)
     model.eval()
@@ -384,9 +384,9 @@ def read_text(path: str, flag: str) -> str:
 
 
 def calibration_windows(where: str, tokenizer) -> list:
-    """--quant_calibration's token windows (engine/gptq.calibration_windows: 512 tokens, at most 64), read before the
+    """--quant_calibration's token windows (quant/gptq.calibration_windows: 512 tokens, at most 64), read before the
     model is loaded: a bad file or an empty text fails fast."""
-    from polyfuse.engine.gptq import calibration_windows as windows_of
+    from polyfuse.quant.gptq import calibration_windows as windows_of
 
     text = read_text(where, "--quant_calibration")
     windows = windows_of(torch.tensor(tokenizer(text, add_special_tokens=False).input_ids))
@@ -397,7 +397,7 @@ def calibration_windows(where: str, tokenizer) -> list:
 
 def gptq_quantize(model, fmt: str, windows: list) -> None:
     """quantize_model_ with GPTQ; a Hessian that cannot be factored or memory that runs out is one error line."""
-    from polyfuse.engine.quantize import quantize_model_
+    from polyfuse.quant.quantize import quantize_model_
 
     try:
         quantize_model_(model, fmt, windows)
@@ -424,7 +424,7 @@ def tune_flag(norms: bool, scales: bool) -> str:
 
 def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> list:
     """The tuning's targets: the float model's final-norm outputs on the calibration windows."""
-    from polyfuse.engine.norm_tuning import norm_targets
+    from polyfuse.quant.tuning import norm_targets
 
     try:
         return norm_targets(model, windows)
@@ -439,7 +439,7 @@ def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> lis
 def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False) -> None:
     """--quant_tune_norms / --quant_tune_scales: the quantized model's norms and / or scales fitted to ``targets``;
     what moved and the KL before and after on stderr (when nothing was kept, tune_norms_'s warning alone)."""
-    from polyfuse.engine.norm_tuning import tune_norms_, tuned_norm_count, tuned_scale_count
+    from polyfuse.quant.tuning import tune_norms_, tuned_norm_count, tuned_scale_count
 
     flag = tune_flag(norms, scales)
     try:
@@ -564,14 +564,14 @@ def run(args) -> dict:
     model, tokenizer = load(args, device, flags)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     if args.print_backends:
-        from polyfuse.engine.quant_report import report as quantization_report  # --quant: formats and their kernels
+        from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
 
         print("\n".join(filter(None, [model.kernels.report(), quantization_report(model)])))
     runtime = model.runtime
     gen = torch.Generator(device=device if device.type != "hpu" else "cpu").manual_seed(args.seed)
 
     def one_run(timings=None):
-        from polyfuse.engine.cli_features import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
+        from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
 
         t0 = time.perf_counter()
         prompts, ids, mask = encode(args, tokenizer, texts, device)

@@ -67,11 +67,11 @@ class DeviceRuntime:
     @classmethod
     def fp8_max(cls) -> Optional[float]:
         """The largest e4m3 value this device holds where it is less than float8_e4m3fn's 448 (Gaudi2: 240), else
-        None. Weights quantized to fp8 on the device are scaled to it (engine/quantize.py)."""
+        None. Weights quantized to fp8 on the device are scaled to it (quant/quantize.py)."""
         return None
 
     def adapt_quantized(self, weights, kernels=None) -> None:
-        """Called after quantized weights are loaded or made (engine/quantize.py ``finalize``, which may run more
+        """Called after quantized weights are loaded or made (quant/quantize.py ``finalize``, which may run more
         than once on a model: a second call must change nothing) with the model's ``QuantizedWeight`` objects and
         its resolved kernels (None where it has none yet): a device whose kernels need another form of a format
         changes the buffers in place or prepares that form here (HPU: fp8 rows beyond Gaudi2's range; int4 repacked

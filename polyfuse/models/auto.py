@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from polyfuse.core.errors import CheckpointError
-from polyfuse.engine.loading import checkpoint_model_type, from_config, from_pretrained
+from polyfuse.loader.load import checkpoint_model_type, from_config, from_pretrained
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.models.mistral import MistralForCausalLM
 from polyfuse.models.qwen2 import Qwen2ForCausalLM

@@ -4,7 +4,7 @@ Every computation goes through ``f.ops`` (the registry's ``Kernels``, resolved o
 weights and shapes. Weight names are transformers' except two fusions made at load time: ``qkv_proj`` =
 [q_proj; k_proj; v_proj] and ``gate_up_proj`` = [gate_proj; up_proj] (split back on save). A family subclasses
 :class:`DecoderForCausalLM` (and, where its layers differ, :class:`Attention`) and names its transformers config.
-The engine (``polyfuse.engine``) loads, saves and generates through the protocol in ``engine/protocol.py``.
+The engine (``polyfuse.generation`` / ``polyfuse.loader``) loads, saves and generates through the protocol in ``core/model_protocol.py``.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import torch.utils.checkpoint
 from torch import nn
 from transformers.utils import ModelOutput
 
+from polyfuse.checkpoint.config import config_from_dict, head_dim
 from polyfuse.core.errors import CheckpointError
 from polyfuse.distributed.context import SINGLE, building, building_context
 from polyfuse.distributed.sharding import Shard, TensorParallelError, check_columns, head_shard, split
-from polyfuse.engine import loading, saving
-from polyfuse.engine.config import config_from_dict, head_dim
-from polyfuse.engine.qlinear import QLinear, QLinearStack
-from polyfuse.engine.rope import RotaryEmbedding
+from polyfuse.loader import load as loading
+from polyfuse.loader import save as saving
 from polyfuse.models.peft_lora import fused_adapters, plain_lora
 from polyfuse.models.projection_slice import ProjectionSlice, fused_slices_intact
+from polyfuse.models.rope import RotaryEmbedding
 from polyfuse.ops.attention import AttentionMeta, cache_mask
+from polyfuse.quant.qlinear import QLinear, QLinearStack
 
 
 @dataclass
@@ -82,7 +83,7 @@ class LMHead(nn.Linear):
 
 def project(f: Forward, layer: nn.Module, x, up=None):
     """``layer``'s projection of ``x`` (of silu(x) * up with ``up``: the MLP's down projection): the one place a
-    projection is dispatched. A quantized layer (engine/qlinear.py ``QLinear``) goes to the ``linear_q`` ops with
+    projection is dispatched. A quantized layer (quant/qlinear.py ``QLinear``) goes to the ``linear_q`` ops with
     its packed weight (a ``QLinearStack``: each segment's rows, concatenated), a plain ``nn.Linear`` (or a
     ``ProjectionSlice`` of a fused one) to the ``linear`` ops with its weight, PEFT's plain LoRA over a plain linear
     (models/peft_lora.py) to the ``lora_linear`` op. Any other module (a PEFT layer in another state, a Linear
@@ -298,7 +299,7 @@ class DecoderForCausalLM(nn.Module):
     # A cached step of several tokens (the prefill) runs its last layer's attention for the last query and that
     # layer's o projection and MLP on the last row only: the logits read no other row (llama.cpp skips them the same
     # way). False: every row, as a cache-less forward does (tests compare the two). Set it before generating: a step
-    # graph captured earlier keeps its form (engine.generation.forget_steppers drops them).
+    # graph captured earlier keeps its form (a model's ``steps = None`` drops them).
     prune_last_layer = True
 
     def __init__(self, config, tp=None):
@@ -320,14 +321,15 @@ class DecoderForCausalLM(nn.Module):
         self.kernels = None  # polyfuse.core.Kernels, set by the loader
         self.runtime = None  # polyfuse.core.DeviceRuntime, set by the loader
         self.flags: dict = {}
-        self.cache = None  # polyfuse.engine.kv_cache.StaticKVCache, allocated by the engine
+        self.cache = None  # polyfuse.generation.kv_cache.StaticKVCache, allocated by the engine
+        self.steps = None  # the generation engine's step wrappers and graphs (core/model_protocol.py)
         self.attention_options: dict = {}
         self.gradient_checkpointing = False
         # transformers' attribute, which PEFT's PeftModelForCausalLM.generate sets and reads; polyfuse's generate
         # takes its options as arguments and never reads it.
         self.generation_config = None
 
-    # -- building (engine/protocol.py) ---------------------------------------------------------------------------
+    # -- building (core/model_protocol.py) ---------------------------------------------------------------------------
 
     @classmethod
     def config_for(cls, raw: dict, where: str):
@@ -428,7 +430,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
-        from polyfuse.engine.generation import generate
+        from polyfuse.generation.generate import generate
 
         return generate(self, input_ids, attention_mask, **kwargs)
 
@@ -510,7 +512,7 @@ class DecoderForCausalLM(nn.Module):
         loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
         return CausalLMOutput(loss=loss)
 
-    # -- the engine's side (engine/protocol.py) -----------------------------------------------------------------
+    # -- the engine's side (core/model_protocol.py) -----------------------------------------------------------------
 
     def kv_cache_layout(self) -> tuple[int, int, int]:
         cfg = self.config

@@ -85,7 +85,7 @@ class Component:
     # The dim indexing input columns (None: none, e.g. a per-channel scale): ``k_span`` indices per ``k_per``
     # columns (int4's words: 1 per 8; its scales: 1 per group; a GGUF block: 34, 18 or 20 bytes per 32, a K-quant's
     # 144 or 210 per 256). Tensor
-    # parallelism slices a row-parallel projection's components along it (engine/quant_shards.py).
+    # parallelism slices a row-parallel projection's components along it (quant/shards.py).
     k_dim: Optional[int] = None
     k_per: int = 1
     k_span: int = 1

@@ -105,7 +105,7 @@ class PolyfuseTrainer(Trainer):
         device = args.device
         base = _polyfuse_base(model)
         if base is not None:
-            from polyfuse.engine.loading import set_kernels
+            from polyfuse.loader.load import set_kernels
 
             self._polyfuse_model, self._polyfuse_peft = base is model, base is not model
             # for the training device: the model may still be in host memory (FSDP2 moves each rank's shard there)
@@ -300,8 +300,8 @@ class PolyfuseTrainer(Trainer):
         """Load a checkpoint written by ``_save_polyfuse`` (transformers' names) into polyfuse's model in place.
         Trainer's own loader would call ``load_state_dict(strict=False)`` with those names and silently load
         nothing."""
-        from polyfuse.engine.loading import LOAD_WORKERS, load_weights
-        from polyfuse.engine.weights import iter_safetensors
+        from polyfuse.checkpoint.readers import iter_safetensors
+        from polyfuse.loader.load import LOAD_WORKERS, load_weights
 
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Where the Triton GEMV beats cuBLAS, per GPU: tables measured with ``examples/benchmark_linear.py`` apply only to
+"""Where the Triton GEMV beats cuBLAS, per GPU: tables measured with ``benchmarks/benchmark_linear.py`` apply only to
 the platform and the GPU product they were measured on (``TUNED`` is keyed by ``torch.cuda.get_device_name``), so
 another GPU, or a ROCm device, keeps cuBLAS until someone tunes it. docs/architecture.md says how to add a table.
 
@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 
-# Measured on one H200 (examples/benchmark_linear.py; docs/benchmarks.md has the table): the (N, K, SwiGLU) decode
+# Measured on one H200 (benchmarks/benchmark_linear.py; docs/benchmarks.md has the table): the (N, K, SwiGLU) decode
 # shapes where the GEMV beat cuBLAS at one row by more than 2%, with the winning (block_n, block_k, num_warps,
 # num_stages). Every other shape, and more than one row, goes to cuBLAS. POLYFUSE_GEMV_TABLE=<json> replaces the
 # table (for tuning runs): a list of [N, K, swiglu, block_n, block_k, num_warps, num_stages].

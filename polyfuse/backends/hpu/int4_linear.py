@@ -27,7 +27,7 @@ K / G consecutive rows. Declined to the native reference:
 * activations other than bfloat16 (INC's only dtype for this op; float32 and float16 output of the 4-argument op are
   not known to run) and calls that need gradients.
 
-The dtype declines are planned (the loader says once that such a run dequantizes: engine/quant_report.py); the
+The dtype declines are planned (the loader says once that such a run dequantizes: quant/report.py); the
 others warn once per cause. Written against the bridge's schema and source and INC's / AutoGPTQ's calls; exercised by
 the test double (tests/habana_double), never run on a Gaudi.
 """
@@ -143,7 +143,7 @@ def bf16_scales(packed: HpuInt4, qw: QuantizedWeight) -> torch.Tensor:
 def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     if qweight.format != "int4":
         return Planned(f"{qweight.format} weights (takes int4)")
-    if x.dtype not in DTYPES:  # the loader's warning says so once (engine/quant_report.py)
+    if x.dtype not in DTYPES:  # the loader's warning says so once (quant/report.py)
         return Planned(f"activation dtype {str(x.dtype).replace('torch.', '')} (takes bfloat16)")
     return declined_inputs(x, qweight, bias) or prepare(qweight).declined
 

@@ -4,7 +4,7 @@ applied to x on the fly (x = silu(gate) * up, the down projection's input, so Sw
 Each program owns BLOCK_N output columns and reads its [BLOCK_N, K] slice of the weight once, in [BLOCK_N, BLOCK_K]
 tiles, accumulating w * x elementwise in fp32 and reducing once at the end; no split-K, so no second reduction
 kernel (cuBLAS picks split-K plus a reduce kernel for the narrow decode GEMMs). Inference only (no backward).
-It beats cuBLAS only on some shapes (measured by ``examples/benchmark_linear.py``): which shapes, with which tiles,
+It beats cuBLAS only on some shapes (measured by ``benchmarks/benchmark_linear.py``): which shapes, with which tiles,
 is a per-GPU table the registering backend owns (``polyfuse.backends.cuda.gemv_table``); ``tuned_linear`` and
 ``tuned_swiglu_linear`` run the kernel with a table's tiles, and the registry sends every other call (declined by
 the backend's ``accepts``) to its next choice.

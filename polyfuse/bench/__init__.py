@@ -1,1 +1,0 @@
-"""Benchmark helpers shared by examples/benchmark_*.py: model shapes, bandwidth ceiling, timing."""

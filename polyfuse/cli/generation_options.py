@@ -1,0 +1,56 @@
+"""What ``polyfuse-generate`` passes to ``generate()`` for the flags of the "generation features" block of
+``polyfuse/cli/args.py`` (--num_beams, --num_return_sequences, --repetition_penalty, --stop_strings,
+--stop_token_ids, --stream). Bad values raise one-line ValueErrors, which the CLI prints as ``error:`` lines."""
+
+from __future__ import annotations
+
+from polyfuse.generation.generate import check_generation_options
+from polyfuse.generation.streaming import text_streamer
+
+
+def cli_generation_kwargs(args, tokenizer) -> dict:
+    """generate() keyword arguments for one run. ``--stream`` streams the first run only (the first warm-up, or the
+    first timed run with --warmup 0): the text is printed once, and the other runs are timed without the per-token
+    read-back that streaming costs."""
+    num_beams = getattr(args, "num_beams", 1)
+    num_return_sequences = getattr(args, "num_return_sequences", 1)
+    penalty = getattr(args, "repetition_penalty", 1.0)
+    stop_strings = getattr(args, "stop_strings", None) or None
+    stop_ids = getattr(args, "stop_token_ids", None) or None
+    stream = getattr(args, "stream", False)
+    if num_beams < 1:
+        raise ValueError(f"--num_beams must be >= 1, got {num_beams}")
+    if num_return_sequences < 1:
+        raise ValueError(f"--num_return_sequences must be >= 1, got {num_return_sequences}")
+    if not penalty > 0:
+        raise ValueError(f"--repetition_penalty must be > 0, got {penalty}")
+    if num_beams > 1 and num_return_sequences > num_beams:
+        raise ValueError(
+            f"--num_return_sequences ({num_return_sequences}) must be <= --num_beams ({num_beams}) for beam search"
+        )
+    if num_beams > 1 and args.do_sample:
+        raise ValueError("--do_sample with --num_beams > 1 (beam sampling) is not supported")
+    if num_return_sequences > 1 and num_beams == 1 and not args.do_sample:
+        raise ValueError("--num_return_sequences > 1 needs --do_sample or --num_beams >= --num_return_sequences")
+    if stream and (args.batch_size != 1 or num_beams != 1 or num_return_sequences != 1):
+        raise ValueError(
+            "--stream prints one sequence as it is generated: it needs --batch_size 1, --num_beams 1 and "
+            "--num_return_sequences 1"
+        )
+    streamer = None
+    if stream and not getattr(args, "_polyfuse_streamed", False):
+        args._polyfuse_streamed = True
+        streamer = text_streamer(tokenizer)
+    kwargs = dict(
+        num_beams=num_beams,
+        num_return_sequences=num_return_sequences,
+        repetition_penalty=penalty,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_ids,
+        tokenizer=tokenizer if stop_strings else None,
+        streamer=streamer,
+    )
+    check_generation_options(
+        args.do_sample, penalty, num_beams, num_return_sequences, False, stop_strings, kwargs["tokenizer"], streamer
+    )
+    return kwargs
