@@ -32,6 +32,7 @@ from torch import nn
 from polyfuse.generation.beam_search import beam_search, reorder_cache_
 from polyfuse.generation.kv_cache import StaticKVCache
 from polyfuse.generation.logits_processors import mark_seen_, penalize, seen_mask
+from polyfuse.generation.padding import to_left_padding
 from polyfuse.generation.sampling import next_token, validate_sampling
 from polyfuse.generation.stopping import StopStrings, as_stop_strings
 
@@ -316,6 +317,7 @@ def generate(
 
     input_ids = input_ids.to(device)
     mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(device).bool()
+    input_ids, mask = to_left_padding(input_ids, mask)  # a right-padded batch generates as its left-padded twin
     copies = num_beams if num_beams > 1 else num_return_sequences
     if copies > 1:  # rows b * copies + j, as transformers expands them
         input_ids = input_ids.repeat_interleave(copies, dim=0)
