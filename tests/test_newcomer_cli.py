@@ -230,6 +230,26 @@ def test_compile_time_is_said_only_when_something_compiles():
     assert compile_note({}, "hpu", 1, 0) is None  # Gaudi's lazy mode compiles every new graph
 
 
+def test_torch_compile_time_is_the_warm_up_that_compiled(capsys, tiny, tmp_path, monkeypatch):
+    """--torch_compile (dynamo's eager backend here: no C compiler needed) reported 6e-06 s with --warmup 0; now the
+    warm-up's time where it compiled graphs, n/a with the reason where it did not."""
+    from polyfuse.core.runtime import DeviceRuntime
+
+    monkeypatch.setattr(DeviceRuntime, "compile_backend", lambda self: "eager")
+    rc, out, err = run_main(capsys, "--model_name_or_path", tiny, *FAST, "--torch_compile", "--use_kv_cache",
+                            "--output_dir", tmp_path / "none")  # fmt: skip
+    assert rc == 0, err
+    assert re.search(r"^Graph compilation duration\s+= n/a \(--warmup 0: any compilation ran inside the timed runs\)$",
+                     out, re.M)  # fmt: skip
+    assert results(tmp_path / "none")["graph_compilation_duration"] is None
+    rc, out, err = run_main(capsys, "--model_name_or_path", tiny, *FAST, "--torch_compile", "--use_kv_cache",
+                            "--warmup", "1", "--output_dir", tmp_path / "one")  # fmt: skip
+    assert rc == 0, err
+    got = results(tmp_path / "one")
+    assert got["graph_compilation_duration"] == got["warmup_duration"] > 0
+    assert re.search(r"^Graph compilation duration\s+= [0-9.e+-]+ seconds$", out, re.M)
+
+
 def test_ops_overrides_are_named(capsys, tiny, tmp_path):
     rc, out, err = run_main(capsys, "--model_name_or_path", tiny, *FAST, "--ops=-rotary", "--print_backends",
                             "--output_dir", tmp_path)  # fmt: skip
@@ -313,6 +333,11 @@ def test_progress_bars_on_a_terminal_only(capsys, tiny, tmp_path, monkeypatch):
     assert re.search(r"Tuning: .*\| \d/4", err), err[-800:]
     rc, out, err = run_main(capsys, *argv, "--quiet")
     assert rc == 0 and "Generating" not in err and "GPTQ" not in err and "Tuning" not in err, err
+    monkeypatch.setattr(cli, "PROGRESS_MIN_BYTES", 0)  # the loading bar: big checkpoints only, and not with --quiet
+    rc, out, err = run_main(capsys, "--model_name_or_path", tiny, *FAST)
+    assert rc == 0 and "Loading weights" in err, err
+    rc, out, err = run_main(capsys, "--model_name_or_path", tiny, *FAST, "--quiet")
+    assert rc == 0 and "Loading weights" not in err, err
 
 
 # -- --help and bad flags ------------------------------------------------------------------------------------------------
