@@ -20,6 +20,7 @@ def _run(args, timeout=240):
     return proc
 
 
+@pytest.mark.slow
 def test_benchmark_generation_tiny(tmp_path):
     out = tmp_path / "gen.jsonl"
     _run([
@@ -68,6 +69,7 @@ def test_prefill_rows_name_the_attention_that_runs():
     assert bench.prefill_attention(model([decode])) == "native (last layer: triton_decode)"
 
 
+@pytest.mark.slow
 def test_benchmark_training_tiny(tmp_path):
     out = tmp_path / "train.json"
     proc = _run([
@@ -124,6 +126,7 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
     assert _site([]) == "(no frames)"
 
 
+@pytest.mark.slow
 def test_benchmark_lora_tiny(tmp_path):
     """benchmarks/benchmark_lora.py: polyfuse + PEFT and transformers + PEFT, the same adapter size, a ratio line."""
     pytest.importorskip("peft")

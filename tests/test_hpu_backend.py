@@ -157,6 +157,7 @@ TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-
 # -- import hygiene ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_polyfuse_import_never_imports_habana():
     code = (
         "import sys; sys.path.insert(0, %r)\n"

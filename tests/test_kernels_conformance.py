@@ -708,6 +708,10 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
                     assert_close(g, rg, GRAD_TOL[dtype], f"{op}:{impl_name} {case_id} grad {i}", loosen)
 
 
+# The quantized GEMVs and dequantize-matmul take 3-15 s a case in the Triton interpreter: `make test-all` runs them.
+SLOW_PARAMS = (":gemv_q-", ":dequant_mm-", "add_rms_norm_linear_q:native-")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op,impl_name", _impl_params())
@@ -718,6 +722,7 @@ def test_conformance(op, impl_name, device, dtype, monkeypatch):
 # ---- targeted tests -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_recompute_weight_gradient_needs_the_once_rounded_reference():
     """The GPU train_halves case of swiglu_linear:triton_recompute (256 tokens, I = 512) on the CPU in bfloat16: its
     gradients are within the bound of the once-rounded SwiGLU reference (REF_FN, what the conformance suite uses)

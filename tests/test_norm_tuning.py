@@ -315,6 +315,7 @@ def test_refusals():
     assert all(torch.equal(a, p) for a, (_, p) in zip(norms, norm_weights(model)))
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_norms_on_the_builtin_model(builtin, capsys, monkeypatch):
     """evaluate_perplexity.py int4+norms and int4+scales on the built-in model: the norms (the scales) tuned on the
     Declaration's last 423 tokens lower int4's perplexity on its first 1280 tokens (not tuned on) well below round to
@@ -375,6 +376,7 @@ def test_cli_tuning_steps():
         validate(args)
 
 
+@pytest.mark.slow
 def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     """run_generation.py --quant_tune_norms [STEPS] / --quant_tune_scales [STEPS]: without --quant_calibration, or
     with STEPS < 1, one error line; with both the built-in model is quantized by GPTQ, its norms and scales tuned

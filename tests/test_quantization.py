@@ -233,6 +233,7 @@ def test_cannot_pack():
         "random_q6_k",
     ],
 )
+@pytest.mark.slow
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
@@ -315,6 +316,7 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
     assert rel(got.float(), torch.nn.functional.linear(x, qf.dequantize(qw, torch.bfloat16)).float()) > 4e-3
 
 
+@pytest.mark.slow
 def test_scaled_mm_fast_accumulation_switch(monkeypatch):
     """torch._scaled_mm gets use_fast_accum on GPUs only with POLYFUSE_FP8_FAST_ACCUM=1 (ops/quant_linear.py, read at
     import: FAST_ACCUM; off by default), never on the CPU; scaled_mm_rows passes what fast_accum says for its
@@ -929,6 +931,7 @@ def baseline(builtin):
     return perplexity(builtin[3], builtin[2])[0]
 
 
+@pytest.mark.slow
 def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatch):
     from benchmarks.harness.perplexity import perplexity
     from polyfuse.models import AutoModelForCausalLM
@@ -971,6 +974,7 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
 BOUNDS = {"int8": 0.01, "fp8": 0.07, "int4": 0.75}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(BOUNDS))
 def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
     from benchmarks.harness.perplexity import perplexity
@@ -992,6 +996,7 @@ GPTQ_FLOOR = -0.05
 GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063, "int4": 0.35}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(GPTQ_BOUNDS))
 def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     from benchmarks.harness.perplexity import perplexity, token_windows
@@ -1009,6 +1014,7 @@ def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     assert GPTQ_FLOOR < ppl / baseline - 1 < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
 
 
+@pytest.mark.slow
 def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     """--quant_lm_head int8 on the built-in model (its head is the tied 49152 x 576 embedding): the loss through the
     packed head's logits; measured on these windows +0.77% against +0.63% with the head in float (docs/quantization.md)."""
@@ -1022,6 +1028,7 @@ def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     assert 0 <= ppl / baseline - 1 < 0.015, (ppl, baseline)
 
 
+@pytest.mark.slow
 def test_perplexity_with_int8_activations(builtin, baseline):
     """int4 with its projections' activations quantized to int8 in blocks of 32 (POLYFUSE_INT4_A8's decode, emulated
     on every position: benchmarks/harness/act_int8.py), token by token against int4 alone. Measured on these windows: each
@@ -1043,6 +1050,7 @@ def test_perplexity_with_int8_activations(builtin, baseline):
     assert -0.015 < math.expm1(moved.double().mean()) < 0.025, moved.double().mean()
 
 
+@pytest.mark.slow
 def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     """The built-in Q4_1 GGUF kept, its projections' activations quantized to int8 in blocks of 32 (the GGUF one-row
     GEMV's default on the GPU, emulated on every position: benchmarks/harness/act_int8.py), token by token against the GGUF kept
@@ -1064,6 +1072,7 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     assert abs(math.expm1(moved.double().mean())) < 0.015, moved.double().mean()
 
 
+@pytest.mark.slow
 def test_perplexity_with_fp8_activations(builtin):
     """fp8 scored with its activations rounded to e4m3 per token (fp8_block: per token and 128 columns) as a GPU's
     W8A8 prefill GEMMs round them (benchmarks/harness/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
@@ -1103,6 +1112,7 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
     """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (benchmarks/harness/act_fp8.py),
     so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
@@ -1149,6 +1159,7 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
         (["--quant", "none,auto+lm_head", "--max_tokens", "40", "--context", "20"], "--quant auto+lm_head: "),
     ],
 )
+@pytest.mark.slow
 def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, args, says):
     """Bad input: one ``error:`` line, exit 2, and --output untouched (rows are appended once every entry has run:
     the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
@@ -1179,6 +1190,7 @@ def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, a
     assert out.count("perplexity") == (1 if "auto+lm_head" in " ".join(args) else 0)
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, monkeypatch):
     """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
     first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
@@ -1194,6 +1206,7 @@ def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, 
     assert abs(rows[1]["vs_first"]) < 0.05, rows[1]
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monkeypatch):
     """--samples 3: every entry is scored unjittered and under two jittered seeds, each against the first entry under
     the same draws: the first entry's samples are exactly 0 (the same draws on the same weights), int8's are three
