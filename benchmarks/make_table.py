@@ -257,6 +257,27 @@ def tp_table(rows) -> list[str]:
     return table(header, lines)
 
 
+def linear_table(rows) -> list[str]:
+    """One-row bf16 projections: cuBLAS against the fastest Triton GEMV tile, per shape (and with SwiGLU folded)."""
+    calls = [r for r in rows if r["what"] == "linear" and "us" in r]
+    pick = latest(calls, lambda r: (gpu(r), r["shape"], r["M"], r["impl"]))
+    groups = {}
+    for (dev, shape, m, impl), r in pick.items():
+        swiglu = impl.startswith("swiglu+")
+        groups.setdefault((dev, shape, m, swiglu), []).append(r)
+    lines = []
+    for (dev, shape, m, swiglu), rs in sorted(groups.items(), key=lambda kv: (rank(kv[0][0], DEVICES), kv[0][1:])):
+        blas = [r for r in rs if r["impl"].endswith("cublas")]
+        tri = sorted([r for r in rs if "triton" in r["impl"]], key=lambda r: r["us"])
+        best = tri[0] if tri else None
+        lines.append([shape + (" + SwiGLU" if swiglu else ""), m, num(blas[-1]["us"], 2) if blas else None,
+                      best and f"**{num(best['us'], 2)}**", best and num(best.get("TBps"), 2),
+                      best and best["impl"].split("triton_")[1], gpu(rs[0]), rs[0]["date"]])  # fmt: skip
+    header = ["projection", "rows", "cuBLAS us", "Triton GEMV us", "GEMV TB/s", "tile (block_n x block_k, warps, stages)",
+              "device", "date"]  # fmt: skip
+    return table(header, lines)
+
+
 def load_table(rows) -> list[str]:
     lines = [[SHAPE_NAMES[r["shape"]], num(r.get("polyfuse"), 2), num(r.get("transformers"), 2), gpu(r), r["date"]]
              for r in rows if r["what"] == "load_to_gpu_s"]  # fmt: skip
@@ -424,6 +445,8 @@ SECTIONS = [
     ("Llama-2-70B, one decoder block", "A one-layer model of the 70B shape: tokens/s per block.", "block"),
     ("Prefill", "The prompt step at batch 1 (and batch 8 x 4096 tokens, for attention memory).", "prefill"),
     ("Tensor parallelism, 2 GPUs", "docs/distributed.md; 80 layers of the 70B shape drawn per shard on each GPU.", "tp"),
+    ("One-row projections, bf16", "A CUDA graph of back-to-back calls over weight copies larger than L2; the tuned GEMV "
+     "runs where it beat cuBLAS (polyfuse/backends/cuda/gemv_table.py), cuBLAS elsewhere.", "linear"),
     ("Load to the GPU", "A safetensors folder written just before (page cache warm), loaded in bf16.", "load"),
     ("Training step, one GPU", "bf16 weights, fused AdamW, forward + backward + clip + step (docs/training.md); "
      "speed and memory are polyfuse's over the peer's.", "training"),
@@ -442,6 +465,7 @@ def section_lines(kind, rows) -> list[str]:
         "decode": lambda: decode_table(ours, peers, gguf=False), "gguf": lambda: decode_table(ours, peers, gguf=True),
         "long": lambda: long_context_table(rows), "block": lambda: block_table(rows),
         "prefill": lambda: prefill_table(rows), "tp": lambda: tp_table(rows), "load": lambda: load_table(rows),
+        "linear": lambda: linear_table(rows),
         "training": lambda: training_table(rows), "longest": lambda: longest_seq_table(rows),
         "lora": lambda: lora_table(rows), "fsdp": lambda: fsdp_table(rows), "perplexity": lambda: perplexity_table(rows),
     }  # fmt: skip

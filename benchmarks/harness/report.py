@@ -22,6 +22,7 @@ RESULT_FILES = {
     "lora_step": "lora.jsonl",
     "fsdp_step": "fsdp.jsonl",
     "perplexity": "perplexity.jsonl",
+    "linear": "linear.jsonl",
 }
 VERSIONED = ("transformers", "triton", "accelerate", "peft", "torchao", "liger-kernel")
 
