@@ -94,7 +94,7 @@ def fsdp_arguments(variant: str) -> dict:
 
 def build(variant: str, args):
     """The model in host memory, the same on every rank (seed 0). Drawing the 8B shape's random weights on the CPU
-    did not finish in a 170 s call on 2 x H200 (run 19: torchrun gives each process one OpenMP thread), so on a GPU
+    did not finish in a 170 s call on 2 x H200 (torchrun gives each process one OpenMP thread), so on a GPU
     the weights are drawn there (the device's RNG, seconds) and then moved to host memory; the GPU's cache is
     emptied and its peak counters are reset after the warm-up steps, so this does not enter the measured peak. The
     Trainer's FSDP2 preparation then moves only the rank's shard of each layer to its GPU."""
