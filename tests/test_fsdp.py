@@ -491,7 +491,7 @@ def test_benchmark_fsdp_tiny_under_torchrun(tmp_path):
     """benchmarks/benchmark_fsdp.py --shape tiny: both Trainers run FSDP2 on 2 gloo processes, rank 0 prints one line
     per case and the ratio, and the JSON has both cases (the GPU run: docs/training.md, "FSDP2")."""
     out = tmp_path / "bench.json"
-    p = _run(_torchrun(ROOT / "examples" / "benchmark_fsdp.py", "--shape", "tiny", "--steps", "2", "--warmup", "1",
+    p = _run(_torchrun(ROOT / "benchmarks" / "benchmark_fsdp.py", "--shape", "tiny", "--steps", "2", "--warmup", "1",
                        "--output", out), timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())

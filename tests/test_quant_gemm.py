@@ -520,7 +520,9 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark_linear.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "benchmark_linear.py"
+    )
     spec = importlib.util.spec_from_file_location("benchmark_linear", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -626,8 +628,8 @@ def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_every_swept_int8_fp8_gemv_tile_is_exact_on_a_partial_shape(device):
-    """Every int8 / fp8 one-row GEMV tile in _qgemv.SHAPE_TILES (chosen per projection on an H200; run 40 added
-    8 x 512, 8 x 1024 and 32 x 128 ones) on a weight that leaves its last column block and last K tile partial, one
+    """Every int8 / fp8 one-row GEMV tile in _qgemv.SHAPE_TILES (chosen per projection on an H200, 8 x 512, 8 x 1024
+    and 32 x 128 among them) on a weight that leaves its last column block and last K tile partial, one
     split and three: the float64 product of the dequantized weight within 1e-5 of its scale. On the GPU (``-m cuda``)
     each tile compiles with its warps and stages."""
     from polyfuse.backends.triton import _qgemv

@@ -866,7 +866,7 @@ def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -887,7 +887,7 @@ def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatc
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -1076,7 +1076,7 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
 def test_perplexity_with_fp8_activations(builtin):
     """fp8 scored with its activations rounded to e4m3 per token (fp8_block: per token and 128 columns) as a GPU's
     W8A8 prefill GEMMs round them (benchmarks/harness/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
-    Measured on these windows (this CPU, session 33): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
+    Measured on these windows (on the CPU): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
     +8.2% .. +8.8% unjittered, docs/quantization.md); each token's loss moves by 0.205 nats on average (absolute),
     the perplexity by +4.5%. fp8_block +3.91% -> +4.88%, 0.087 nats: only the down projection (K = 1536) has K a
     multiple of 128 on this model, and a token's outlier coarsens one group, not its row. Held: fp8's mean move in
@@ -1102,7 +1102,7 @@ def test_perplexity_with_fp8_activations(builtin):
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     """--quant int4,int8+a8: one error line (the int8-activation paths are int4's and the GGUF's), exit 2, before any
     entry is scored."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "int4,int8+a8", "--max_tokens", "64"]) == 2
@@ -1117,7 +1117,7 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
     """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (benchmarks/harness/act_fp8.py),
     so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
     are the same)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "fp8,fp8+w8a8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1163,9 +1163,9 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
 def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, args, says):
     """Bad input: one ``error:`` line, exit 2, and --output untouched (rows are appended once every entry has run:
     the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
-    the last are refused before a model is loaded. Before session 30's review most of these raised a traceback, a
-    negative --max_tokens scored the whole text and an empty --quant entry ran the default load."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    the last are refused before a model is loaded (not a traceback, not the whole text for a negative --max_tokens,
+    not the default load for an empty --quant entry)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     (tmp_path / "folder").mkdir()
@@ -1195,7 +1195,7 @@ def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, 
     """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
     first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
     of a percent (the unpaired std of the losses over sqrt(tokens) would be about 20%)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "none,int8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1211,7 +1211,7 @@ def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monk
     """--samples 3: every entry is scored unjittered and under two jittered seeds, each against the first entry under
     the same draws: the first entry's samples are exactly 0 (the same draws on the same weights), int8's are three
     different numbers (the jitter reaches the losses) near its vs_first, and vs_first_mean is their mean."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     args = ["--quant", "none,int8", "--max_tokens", "128", "--context", "64", "--samples", "3"]
@@ -1248,7 +1248,7 @@ def test_jittered_inputs_draws_by_seed_and_leaves_the_model_as_it_was():
 
 
 # Teacher-forced next-token argmax over the text's windows: the share of positions where a quantized model picks the
-# bf16 float model's token (one H200, session 23: gguf 1.0 (a prompt runs dequantize + cuBLAS on the same bf16
+# bf16 float model's token (measured on an H200: gguf 1.0 (a prompt runs dequantize + cuBLAS on the same bf16
 # weights), int8 0.94, fp8 0.84, int4 0.58: round to nearest at 4 bits on a 135M model, +62% perplexity).
 AGREE = {"gguf": 0.99, "int8": 0.9, "fp8": 0.8, "int4": 0.5}
 
@@ -1263,7 +1263,7 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     tokens are the argmax of the same model under the native reference (dequantize + matmul, every linear_q op
     forced to it; for the GGUF, whose one-row GEMV multiplies int8 activations, with its projections' activations
     quantized the same way: benchmarks/harness/act_int8.py) on those tokens, 14 of 16 at least (the two round differently, so a
-    near tie may flip; the GGUF against the float-activation reference agreed on 13 of 16 on an H200, session 24).
+    near tie may flip; the GGUF against the float-activation reference agreed on 13 of 16 on an H200).
     Free-running greedy tokens against the float model's are not compared: this prompt has a near tie three tokens
     in, where the float model in bf16 and in float32 already part later on."""
     from benchmarks.harness.act_int8 import emulate_int8_activations_

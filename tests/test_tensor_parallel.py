@@ -451,7 +451,7 @@ def test_spawn_launcher_one_error_line(one_head_model):
 
 
 def test_shutdown_does_not_wait_forever_on_a_hung_destroy(monkeypatch, capsys):
-    """Run 21 (2 x H200): after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
+    """On 2 x H200, after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
     exit. shutdown() gives it DESTROY_TIMEOUT_S, says so in one warning line and returns (the caller then exits)."""
     import threading
 
