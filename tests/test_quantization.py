@@ -864,7 +864,7 @@ def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -885,7 +885,7 @@ def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatc
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
