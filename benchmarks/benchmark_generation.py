@@ -28,7 +28,9 @@ from benchmarks.harness.measure import copy_bandwidth, time_median, weight_bytes
 from benchmarks.harness.report import RowSink  # noqa: E402
 from benchmarks.harness.shapes import config_for  # noqa: E402
 from polyfuse.compat import DTYPE_KW  # noqa: E402
-from polyfuse.generation.generate import StepModule, ensure_cache  # noqa: E402
+from polyfuse.generation.hooks import PhaseTimer  # noqa: E402
+from polyfuse.generation.kv_cache import ensure_cache  # noqa: E402
+from polyfuse.generation.steps import StepModule  # noqa: E402
 from polyfuse.loader.load import hf_state_items, set_kernels  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 from polyfuse.ops.quant_formats import GGUF_BYTES  # noqa: E402
@@ -148,9 +150,9 @@ def bench_polyfuse(model, batch, prompt_len, new_tokens, device):
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)  # warm-up: graph capture happens here
     warm = time.perf_counter() - t0
-    timings = {}
-    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, timings=timings)
-    ms = 1e3 * timings["rest_s"] / (timings["new_tokens"] - 1)
+    timer = PhaseTimer(model.runtime)  # the device synchronized at generate()'s phase boundaries
+    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, hooks=timer)
+    ms = 1e3 * timer.rest_s / (timer.new_tokens - 1)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return ms, warm, peak
 

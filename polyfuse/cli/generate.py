@@ -546,6 +546,7 @@ def encode(args, tokenizer, texts: list[str], device):
 
 def run(args) -> dict:
     from polyfuse.core.flags import check_flags
+    from polyfuse.generation.hooks import PhaseTimer  # the Stats block's phase times
 
     validate(args)
     inputs = read_inputs(args)
@@ -570,7 +571,7 @@ def run(args) -> dict:
     runtime = model.runtime
     gen = torch.Generator(device=device if device.type != "hpu" else "cpu").manual_seed(args.seed)
 
-    def one_run(timings=None):
+    def one_run(timer=None):
         from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
 
         t0 = time.perf_counter()
@@ -589,7 +590,7 @@ def run(args) -> dict:
             ignore_eos=args.ignore_eos,
             bucket_size=args.bucket_size,
             use_cache=args.use_kv_cache,
-            timings=timings,
+            hooks=timer,
             **cli_generation_kwargs(args, tokenizer),
         )
         return prompts, ids, out, time.perf_counter() - t0
@@ -605,8 +606,9 @@ def run(args) -> dict:
     firsts, rests, e2es, new_tokens = [], [], [], 0
     t0 = time.perf_counter()
     for i in range(args.n_iterations):
-        timings = {}
-        prompts, ids, out, e2e = one_run(timings)
+        timer = PhaseTimer(runtime)
+        prompts, ids, out, e2e = one_run(timer)
+        timings = timer.timings
         new_tokens += timings["new_tokens"] * out.shape[0]  # rows returned: batch x --num_return_sequences
         firsts.append(timings["first_token_s"])
         rests.append(timings["rest_s"] / max(timings["new_tokens"] - 1, 1))
