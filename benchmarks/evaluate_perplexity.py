@@ -50,6 +50,7 @@ from benchmarks.harness.act_fp8 import emulate_fp8_activations_  # noqa: E402
 from benchmarks.harness.act_int8 import FORMATS as A8_FORMATS  # noqa: E402
 from benchmarks.harness.act_int8 import emulate_int8_activations_  # noqa: E402
 from benchmarks.harness.perplexity import jittered_inputs, perplexity, token_nll, token_windows  # noqa: E402
+from benchmarks.harness.report import append_result, run_meta  # noqa: E402
 from polyfuse.cli.generate import UsageError, load_cli_tokenizer, pick_device, read_text  # noqa: E402
 from polyfuse.quant.gptq import GPTQ_FORMATS, calibration_windows  # noqa: E402
 from polyfuse.quant.quantize import LOAD_TIME_FORMATS, quantize_lm_head_, quantize_model_  # noqa: E402
@@ -91,15 +92,15 @@ def check_entries(quants: list[str], gguf) -> None:
                              "on e4m3 activations in prefill)")  # fmt: skip
 
 
-def check_output(path: str) -> None:
+def check_output(path: str, flag: str = "--output") -> None:
     """--output: an existing file or a new one in an existing, writable folder (checked before anything runs)."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise UsageError(f"--output {path}: a folder; give a file to append the JSON lines to")
+        raise UsageError(f"{flag} {path}: a folder; give a file to append the JSON lines to")
     if not os.path.isdir(folder):
-        raise UsageError(f"--output {path}: no such folder {folder}")
+        raise UsageError(f"{flag} {path}: no such folder {folder}")
     if not os.access(path if os.path.exists(path) else folder, os.W_OK):
-        raise UsageError(f"--output {path}: not writable")
+        raise UsageError(f"{flag} {path}: not writable")
 
 
 def main(argv=None) -> int:
@@ -133,6 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "hpu"])
     p.add_argument("--output", default=None,
                    help="append one JSON line per format here, once every entry has run")  # fmt: skip
+    p.add_argument("--results", default=None, help="also append the rows, with the date, device, versions and "
+                   "command, to this JSON-lines file or to perplexity.jsonl in this folder (benchmarks/results)")  # fmt: skip
     args = p.parse_args(argv)
     args.token = None  # load_cli_tokenizer's Hub token: local files only here
     try:
@@ -163,6 +166,8 @@ def run(args) -> int:
     check_entries(quants, gguf)
     if args.output:
         check_output(args.output)
+    if args.results and not os.path.isdir(args.results):
+        check_output(args.results, "--results")
     device = pick_device(args.device)
     tokenizer = load_cli_tokenizer(args, path, gguf)
     ids = torch.tensor(tokenizer(read_text(args.text, "--text"), add_special_tokens=False).input_ids)
@@ -250,6 +255,13 @@ def run(args) -> int:
     if args.output:  # every row at once: a run stopped by an error leaves the file as it was
         with open(args.output, "a") as f:
             f.write("".join(json.dumps(row) + "\n" for row in rows))
+    if args.results:
+        meta = run_meta(torch.cuda.get_device_name() if args.device == "cuda" else args.device)
+        text = {"text": os.path.basename(args.text), "max_tokens": args.max_tokens}
+        if args.calibration_text:
+            text["calibration"] = os.path.basename(args.calibration_text)
+        for row in rows:
+            append_result(args.results, {"what": "perplexity", **text, **row}, meta)
     return 0
 
 

@@ -24,6 +24,9 @@ def pytest_collection_modifyitems(config, items):
     except Exception:
         has_hpu = False
     for item in items:
+        # A module may name the parameter ids of its slow cases (SLOW_PARAMS): those run in `make test-all` only.
+        if any(part in item.name for part in getattr(item.module, "SLOW_PARAMS", ())):
+            item.add_marker(pytest.mark.slow)
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
         if "hpu" in item.keywords and not has_hpu:

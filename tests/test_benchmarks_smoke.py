@@ -20,14 +20,28 @@ def _run(args, timeout=240):
     return proc
 
 
+@pytest.mark.slow
 def test_benchmark_generation_tiny(tmp_path):
     out = tmp_path / "gen.jsonl"
     _run([
         "benchmarks/benchmark_generation.py", "--shapes", "tiny", "--batch_sizes", "1,2", "--new_tokens", "4",
         "--prompt_len", "8", "--peers", "eager", "--peer_shapes", "tiny", "--peer_batch_sizes", "1",
-        "--prefill", "16", "--prefill_idle", "0.01", "--flags", "", "--output", str(out),
+        "--prefill", "16", "--prefill_idle", "0.01", "--flags", "", "--output", str(out), "--results", str(tmp_path),
     ])  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    # --results (a folder): the figure rows by kind, each with what make_table.py shows beside its figures
+    results = {name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+               for name in ("decode.jsonl", "prefill.jsonl")}  # fmt: skip
+    assert [(r["impl"], r["bs"]) for r in results["decode.jsonl"]] == [
+        ("polyfuse", 1),
+        ("transformers", 1),
+        ("polyfuse", 2),
+    ]
+    assert len(results["prefill.jsonl"]) == 5
+    for r in results["decode.jsonl"] + results["prefill.jsonl"]:
+        assert r["device"] == "cpu" and r["date"] and r["command"].startswith("python ")
+        assert {"torch", "transformers", "triton", "cuda"} <= set(r["versions"])
+    assert results["decode.jsonl"][0]["prompt_len"] == 8 and results["decode.jsonl"][0]["new_tokens"] == 4
     decode = [(r["impl"], r["bs"]) for r in rows if r["what"] == "decode"]
     assert decode == [("polyfuse", 1), ("transformers", 1), ("polyfuse", 2)]
     assert all(r["tok_per_s"] > 0 for r in rows if r["what"] == "decode")
@@ -46,7 +60,7 @@ def test_prefill_rows_name_the_attention_that_runs():
     from types import SimpleNamespace as NS
 
     spec = importlib.util.spec_from_file_location(
-        "bench_gen", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "bench_gen", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -68,6 +82,7 @@ def test_prefill_rows_name_the_attention_that_runs():
     assert bench.prefill_attention(model([decode])) == "native (last layer: triton_decode)"
 
 
+@pytest.mark.slow
 def test_benchmark_training_tiny(tmp_path):
     out = tmp_path / "train.json"
     proc = _run([
@@ -124,6 +139,7 @@ def test_memory_peak_replay_finds_the_blocks_alive_at_the_peak():
     assert _site([]) == "(no frames)"
 
 
+@pytest.mark.slow
 def test_benchmark_lora_tiny(tmp_path):
     """benchmarks/benchmark_lora.py: polyfuse + PEFT and transformers + PEFT, the same adapter size, a ratio line."""
     pytest.importorskip("peft")
@@ -152,7 +168,7 @@ def test_profile_summary_sorts_kernels_by_kind():
     import importlib.util
     from types import SimpleNamespace
 
-    path = os.path.join(ROOT, "examples", "benchmark_training.py")
+    path = os.path.join(ROOT, "benchmarks", "benchmark_training.py")
     spec = importlib.util.spec_from_file_location("benchmark_training_kinds", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -190,7 +206,7 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
     from polyfuse.models import AutoModelForCausalLM
 
     spec = importlib.util.spec_from_file_location(
-        "bench_gen_idle", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "bench_gen_idle", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -88,7 +88,7 @@ def test_what_it_declines():
 @pytest.mark.parametrize("rows", [2048, 130, 65, 16, 2])
 def test_block_product_on_the_gpu(rows):
     """Against the same arithmetic in float32 (the e4m3 groups dequantized times the dequantized weight): the bf16
-    output's rounding (H200, run 31: rms 0.17% of the outputs' rms, largest 1.5-1.9%); against the weight-only
+    output's rounding (on an H200: rms 0.17% of the outputs' rms, largest 1.5-1.9%); against the weight-only
     reference: the activations' e4m3 rounding (2.0%). 130, 65 and 2 rows take the padded path (cuBLAS wants a
     multiple of 4); a scale read from the wrong group or block is off by the outliers' 40x."""
     from polyfuse.backends.triton.register import probe_block_scaled_mm

@@ -460,6 +460,7 @@ def test_default_bucketing_attends_only_the_filled_cache(capsys, monkeypatch, ti
     assert set(decode) == {202}
 
 
+@pytest.mark.slow
 def test_gguf_folder_without_gguf_file(capsys, tmp_path):
     from polyfuse.models.builtin import builtin_model
 

@@ -1,5 +1,6 @@
 """--torch_compile compiles standalone op functions: decoding must not recompile per token or per layer."""
 
+import pytest
 import torch
 import transformers
 from torch._dynamo.utils import counters
@@ -19,6 +20,7 @@ def _frames():
     return sum(counters["frames"].values()), counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_compiled_ops_do_not_recompile_while_decoding():
     torch._dynamo.reset()
     counters.clear()

@@ -109,7 +109,7 @@ def test_graph_replay_matches_eager_exactly(pair):
     a = eager.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     b = graphed.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
     assert torch.equal(a, b), "CUDA-graph replay changed the tokens"
-    step = graphed.steps[3]  # (kernels, prefill, decode, token): greedy decoding replays the in-place token step
+    step = graphed.steps.token  # greedy decoding replays the in-place token step
     assert step.inplace and len(step.graphs) == 1 and step.disabled_reason is None
     # Another batch size needs another cache: the old graphs (which point at the old cache) are dropped and the
     # step is captured anew for the new shapes, giving the eager tokens again.
@@ -167,12 +167,12 @@ def test_graphed_token_step_with_eos_matches_eager(pair):
         assert want.shape[1] < 21 + 40, "scenario not met: generation did not stop early"
         assert torch.equal(graphed.generate(ids, mask, **kw), want)
         assert torch.equal(graphed.generate(ids, mask, **kw), want)  # replays of the graphs captured above
-    token = graphed.steps[3]
+    token = graphed.steps.token
     assert token.disabled_reason is None and token.graphs
     sample = dict(max_new_tokens=24, do_sample=True, top_k=20, ignore_eos=True)
     a = eager.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
     b = graphed.generate(ids, mask, generator=torch.Generator("cuda").manual_seed(3), **sample)
-    decode = graphed.steps[2]
+    decode = graphed.steps.decode
     assert not decode.inplace and decode.graphs and decode.disabled_reason is None
     assert torch.equal(a, b)
 
@@ -190,7 +190,7 @@ def test_cuda_graph_prefill_matches_eager(pair):
     for m in (mask, torch.ones_like(mask)):
         want = eager.generate(ids, m, max_new_tokens=24, ignore_eos=True)
         assert torch.equal(graphed.generate(ids, m, max_new_tokens=24, ignore_eos=True), want)
-        prefill = graphed.steps[1]
+        prefill = graphed.steps.prefill
         assert prefill.disabled_reason is None and prefill.graphs
         count = len(prefill.graphs)
         assert torch.equal(graphed.generate(ids, m, max_new_tokens=24, ignore_eos=True), want)

@@ -161,6 +161,7 @@ def single_results(tmp_path_factory):
 CASES = list(fsdp_worker.CASES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_each_decoder_layer_is_an_fsdp2_unit_and_the_fused_loss_runs(fsdp_results, single_results, case):
     _, ranks = fsdp_results
@@ -279,6 +280,7 @@ CLM = ["--max_steps", "5", "--block_size", "16", "--logging_steps", "1", "--repo
         ),
     ],
 )
+@pytest.mark.slow
 def test_run_clm_fsdp2_on_the_builtin_model(tmp_path, impl):
     _builtin_or_skip()
     cfg = tmp_path / "fsdp2.json"
@@ -404,6 +406,7 @@ def _assert_one_error_from_rank0(results, code: int, message: str):
     return max(ends)
 
 
+@pytest.mark.slow
 def test_more_processes_than_layers_one_error_line(two_layer_model, tmp_path):
     cfg = tmp_path / "fsdp2.json"
     cfg.write_text(json.dumps(FSDP_CONFIG))
@@ -413,11 +416,13 @@ def test_more_processes_than_layers_one_error_line(two_layer_model, tmp_path):
     print(f"3 ranks, 2 layers: every rank exited 2 after {seconds:.1f} s")
 
 
+@pytest.mark.slow
 def test_ranks_given_different_arguments_one_error_line(two_layer_model, tmp_path):
     results = _bare_ranks(2, lambda r: _clm_args(two_layer_model, tmp_path / "out", "--learning_rate", 1e-4 * (r + 1)))
     _assert_one_error_from_rank0(results, 2, "ranks disagree on the model: rank 0 loaded")
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_comes_one_error_line(two_layer_model, tmp_path):
     """Rank 1 of 2 is never started: rank 0 waits --ddp_timeout (5 s here) for it, then says so and exits."""
     results = _bare_ranks(
@@ -481,11 +486,12 @@ def test_deepspeed_without_the_package_is_one_error_line(run_clm, tmp_path, caps
 # -- the FSDP2 benchmark's CPU smoke test -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_benchmark_fsdp_tiny_under_torchrun(tmp_path):
     """benchmarks/benchmark_fsdp.py --shape tiny: both Trainers run FSDP2 on 2 gloo processes, rank 0 prints one line
     per case and the ratio, and the JSON has both cases (the GPU run: docs/training.md, "FSDP2")."""
     out = tmp_path / "bench.json"
-    p = _run(_torchrun(ROOT / "examples" / "benchmark_fsdp.py", "--shape", "tiny", "--steps", "2", "--warmup", "1",
+    p = _run(_torchrun(ROOT / "benchmarks" / "benchmark_fsdp.py", "--shape", "tiny", "--steps", "2", "--warmup", "1",
                        "--output", out), timeout=300)  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -118,6 +118,7 @@ def _logits_and_greedy(model, ids: torch.Tensor, pad: int) -> tuple[torch.Tensor
     return logits, tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state_dict_type", list(FSDP_FILES))
 def test_lora_under_fsdp2_equals_one_process(tiny_model, single, tmp_path, state_dict_type):
     cfg = tmp_path / "fsdp2.json"

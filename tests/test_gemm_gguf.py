@@ -25,6 +25,7 @@ def _on(qw, device):
     return dataclasses.replace(qw, qweight=qw.qweight.to(device))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", GGUF)
 def test_gemm_against_the_reference(device, fmt):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import transformers
 
-from polyfuse.generation.generate import bucketed, forget_steppers
+from polyfuse.generation.kv_cache import bucketed
+from polyfuse.generation.steps import forget_steps
 from polyfuse.models.llama import LlamaForCausalLM
 
 
@@ -43,10 +44,10 @@ def _kv_lengths(model, monkeypatch, **kw):
         return real(self, input_ids, position_ids, cache_position, key_mask, kv_len)
 
     monkeypatch.setattr(type(model), "step", spy)
-    forget_steppers(model)  # rebuild the step modules around the spy
+    forget_steps(model)  # rebuild the step modules around the spy
     out = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=40, ignore_eos=True, **kw)
     monkeypatch.undo()
-    forget_steppers(model)
+    forget_steps(model)
     return out, seen
 
 

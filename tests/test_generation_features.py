@@ -21,7 +21,8 @@ from helpers import (
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
-from polyfuse.generation.generate import _token_state, forget_steppers
+from polyfuse.generation.steps import forget_steps
+from polyfuse.generation.token_state import TokenState
 from polyfuse.models.llama import LlamaForCausalLM
 
 
@@ -50,9 +51,9 @@ def batch(pair):
 
 @pytest.fixture(autouse=True)
 def fresh_steppers(pair):
-    forget_steppers(pair[0])
+    forget_steps(pair[0])
     yield
-    forget_steppers(pair[0])
+    forget_steps(pair[0])
 
 
 def hf_generate(hf, ids, mask, **kw):
@@ -63,12 +64,12 @@ def hf_generate(hf, ids, mask, **kw):
 def per_token_loop(model, *args, **kw):
     """generate() without the in-place TokenStep, as on runtimes without in-place decoding (HPU)."""
     model.runtime.inplace_decode = False
-    forget_steppers(model)
+    forget_steps(model)
     try:
         return model.generate(*args, **kw)
     finally:
         del model.runtime.inplace_decode
-        forget_steppers(model)
+        forget_steps(model)
 
 
 # -- faked CUDA graphs: GraphedStep around the decode and token steps, torch.cuda's graph API faked on the CPU -----
@@ -88,7 +89,7 @@ def graphs(pair, monkeypatch):
         return made[phase]
 
     monkeypatch.setattr(pair[0].runtime, "graph_module", graph_module)
-    forget_steppers(pair[0])
+    forget_steps(pair[0])
     return made
 
 
@@ -172,7 +173,7 @@ def test_repetition_penalty_runs_inside_the_token_graph(pair, batch, graphs):
     assert torch.equal(ours.generate(ids, mask, **kw), want)
     step = graphs["token"]  # the greedy in-place step, not the per-token loop
     assert step.disabled_reason is None and len(step.graphs) == 1 and step.fn.runs == 2
-    seen = _token_state(ours.cache).seen(301)
+    seen = TokenState.of(ours.cache).seen(301)
     (key,) = step.graphs
     assert seen.data_ptr() in key[1:][8] and 1.3 in key  # the seen mask is a graph buffer, the penalty a constant
     assert torch.equal(ours.generate(ids, mask, **kw), want) and step.fn.runs == 2  # replays only
@@ -493,7 +494,7 @@ def test_cuda_graphs_penalty_beams_streaming_match_eager(gpu_pair, bucket):
         want = eager.generate(ids, mask, **base, **kw)
         assert torch.equal(graphed.generate(ids, mask, **base, **kw), want), kw
         assert torch.equal(graphed.generate(ids, mask, **base, **kw), want), kw  # replays
-        _, _, decode, token = graphed.steps
+        decode, token = graphed.steps.decode, graphed.steps.token
         step = decode if "num_beams" in kw else token  # (a new cache size drops the other's graphs)
         assert step.graphs and step.disabled_reason is None, kw
         if step is token:

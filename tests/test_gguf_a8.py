@@ -79,6 +79,7 @@ def _on(qw, device):
 GGUF = ["gguf_q8_0", "gguf_q4_0", "gguf_q4_1", "gguf_q4_k", "gguf_q5_k", "gguf_q6_k"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", GGUF)
 def test_gemv_against_the_reference(device, fmt):
@@ -118,6 +119,7 @@ def test_gemv_against_the_reference(device, fmt):
     assert (got.double() - reference(x, bad, bias)).abs().max().item() > 1e-3 * want.abs().max().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", GGUF)
 def test_rows_against_the_reference(device, fmt):
@@ -194,6 +196,7 @@ def test_rows_dispatch(monkeypatch):
         assert torch.equal(quant_gemm.linear_q(x, qw).view(6, 48), gemm_gguf(x.view(6, 512), None, qw))
 
 
+@pytest.mark.slow
 def test_the_switch_is_read_from_the_environment():
     """POLYFUSE_GGUF_A8 is read at import: unset or any value but "0" turns the A8 path on, "0" off."""
     code = "from polyfuse.backends.triton import gemv_gguf_a8 as g; print(g.ENABLED)"
@@ -206,6 +209,7 @@ def test_the_switch_is_read_from_the_environment():
         assert out.returncode == 0 and out.stdout.strip() == want, (value, out.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_accepts_and_the_dispatch(monkeypatch):
     """On unless POLYFUSE_GGUF_A8=0; on, one-row GGUF linear_q, swiglu_linear_q and add_rms_norm_linear_q (the gemv_q
     implementations) run the A8 kernel and give its numbers; other formats, Q8_0 / Q4_0 rows of an odd number of
@@ -248,6 +252,7 @@ def test_accepts_and_the_dispatch(monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.slow
 def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Greedy decode of a tiny GGUF (q/k/v Q5_K, o Q4_K, gate/up Q4_1, down Q8_0) through the A8 path
     against the native model whose projections get the same int8 activations (benchmarks/harness/act_int8.py): the same tokens,
@@ -286,6 +291,7 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
         assert (got - want).abs().max() <= 2e-5 * want.abs().max()
 
 
+@pytest.mark.slow
 def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Batch 2 greedy decode of a tiny GGUF (Q4_K, Q6_K, Q4_0, Q8_0 projections) through gemm_q's multi-row GEMVs
     (the 10-row prompt in launches of 8 and 2 rows, every 2-row step) against the native model fed the same int8

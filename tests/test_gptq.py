@@ -135,6 +135,7 @@ def test_gptq_refuses_formats_it_has_no_rounding_for_and_empty_calibration():
         quantize_model_(model, "int4", [])
 
 
+@pytest.mark.slow
 def test_cli_quant_calibration(tmp_path, capsys):
     """run_generation.py --quant_calibration: one error line without a GPTQ format, with an unreadable file or on an
     already-quantized checkpoint; with --quant int8 and a text the built-in model's projections are quantized (by

@@ -11,7 +11,10 @@ from helpers import Recorded, fake_cuda_graphs
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
-from polyfuse.generation.generate import TokenStep, _token_state, bucketed, ensure_cache, forget_steppers
+from polyfuse.generation.hooks import PhaseTimer
+from polyfuse.generation.kv_cache import bucketed, ensure_cache
+from polyfuse.generation.steps import TokenStep, forget_steps
+from polyfuse.generation.token_state import TokenState
 from polyfuse.models.llama import LlamaForCausalLM
 
 
@@ -26,9 +29,9 @@ def model():
 
 @pytest.fixture(autouse=True)
 def fresh_steppers(model):
-    forget_steppers(model)
+    forget_steps(model)
     yield
-    forget_steppers(model)
+    forget_steps(model)
 
 
 IDS = torch.tensor([[0, 0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [0, 16, 17, 18, 19, 20, 21]])
@@ -69,21 +72,21 @@ def _first_eos(out, n, eos):
 def _old_path(model, *args, **kw):
     """generate() through the per-token loop (StepModule + argmax outside), as on runtimes without in-place decode."""
     model.runtime.inplace_decode = False
-    forget_steppers(model)
+    forget_steps(model)
     try:
         return model.generate(*args, **kw)
     finally:
         del model.runtime.inplace_decode
-        forget_steppers(model)
+        forget_steps(model)
 
 
 @pytest.mark.parametrize("bucket_size", [-1, 8])
 def test_greedy_matches_reference_loop(model, bucket_size):
     want = reference(model, IDS, MASK, 30, bucket_size=bucket_size)
-    timings = {}
-    got = model.generate(IDS, MASK, max_new_tokens=30, ignore_eos=True, bucket_size=bucket_size, timings=timings)
+    timer = PhaseTimer(model.runtime)
+    got = model.generate(IDS, MASK, max_new_tokens=30, ignore_eos=True, bucket_size=bucket_size, hooks=timer)
     assert torch.equal(got, want)
-    assert timings["new_tokens"] == 30 and timings["first_token_s"] > 0 and timings["rest_s"] > 0
+    assert timer.new_tokens == 30 and timer.first_token_s > 0 and timer.rest_s > 0
     assert torch.equal(_old_path(model, IDS, MASK, max_new_tokens=30, ignore_eos=True, bucket_size=bucket_size), want)
 
 
@@ -106,10 +109,10 @@ def test_rows_finishing_at_different_steps(model):
     want = reference(model, IDS, MASK, 30, eos=eos, pad=0)
     stops = _first_eos(want, 7, eos)
     assert stops[0] is not None and stops[2] is not None and len(set(stops)) > 1, f"scenario not met: {stops}"
-    timings = {}
-    got = model.generate(IDS, MASK, max_new_tokens=30, eos_token_id=list(eos), pad_token_id=0, timings=timings)
+    timer = PhaseTimer()
+    got = model.generate(IDS, MASK, max_new_tokens=30, eos_token_id=list(eos), pad_token_id=0, hooks=timer)
     assert torch.equal(got, want)
-    assert timings["new_tokens"] == want.shape[1] - 7
+    assert timer.timings["new_tokens"] == want.shape[1] - 7
     assert torch.equal(_old_path(model, IDS, MASK, max_new_tokens=30, eos_token_id=list(eos), pad_token_id=0), want)
 
 
@@ -166,7 +169,7 @@ def test_graphed_token_step_replays_in_place(model, fake_cuda, monkeypatch):
     # Without undoing the two warm-up runs every replay would run two tokens ahead of the loop: at a KV bucket too
     # short for its position, and past the end of the cache.
     assert torch.equal(got, want)
-    assert int(_token_state(model.cache).cache_position) == 7 + 30 - 1  # the last token fed in
+    assert int(TokenState.of(model.cache).cache_position) == 7 + 30 - 1  # the last token fed in
     (step,) = made
     assert step.disabled_reason is None and sorted(k[0] for k in step.graphs) == [8, 16, 24, 32, 40]
     runs = step.fn.runs
@@ -176,7 +179,7 @@ def test_graphed_token_step_replays_in_place(model, fake_cuda, monkeypatch):
     one = model.generate(IDS[:1], MASK[:1], max_new_tokens=5, ignore_eos=True)  # another cache: captured anew
     assert torch.equal(one, reference(model, IDS[:1], MASK[:1], 5))
     (key,) = step.graphs
-    assert key[1][0] == (1, 1) and key[1][3] == _token_state(model.cache).tok.data_ptr()  # the buffers' address
+    assert key[1][0] == (1, 1) and key[1][3] == TokenState.of(model.cache).tok.data_ptr()  # the buffers' address
 
 
 def test_graphed_token_step_capture_failure_runs_eagerly(model, fake_cuda, monkeypatch, caplog):
@@ -193,6 +196,6 @@ def test_graphed_token_step_capture_failure_runs_eagerly(model, fake_cuda, monke
     with caplog.at_level("WARNING", logger="polyfuse"):
         got = model.generate(IDS, MASK, max_new_tokens=16, ignore_eos=True)
     assert torch.equal(got, want)
-    assert int(_token_state(model.cache).cache_position) == 7 + 16 - 1  # the warm-ups were undone before the fallback
+    assert int(TokenState.of(model.cache).cache_position) == 7 + 16 - 1  # the warm-ups were undone before the fallback
     assert made[0].disabled_reason.startswith("RuntimeError") and not made[0].graphs
     assert sum("capture failed" in r.message for r in caplog.records) == 1

@@ -157,6 +157,7 @@ TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-
 # -- import hygiene ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_polyfuse_import_never_imports_habana():
     code = (
         "import sys; sys.path.insert(0, %r)\n"
@@ -1163,7 +1164,8 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
     mode: Habana's entry points receive the calls (FusedSDPA with the right mode per step, FusedRMSNorm, FusedRoPE,
     HPU graphs, mark_step in lazy mode only), HPU graphs capture at most one graph per KV bucket plus one for the
     prompt (the cache position is one tensor advanced in place), and the greedy tokens equal the native run's."""
-    from polyfuse.generation import generate as generation
+    from polyfuse.generation.kv_cache import bucketed
+    from polyfuse.generation.steps import model_steps
     from polyfuse.loader import load as loading
     from polyfuse.models.llama import LlamaForCausalLM
 
@@ -1192,12 +1194,12 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
         if habana.double is not None:
             assert habana.double.CALLS == []  # nothing ran, wrap_in_hpu_graph was not even looked up
         return
-    prefill, decode, _ = generation._steppers(model)
+    decode = model_steps(model).decode
     keys = _graph_keys(decode) if graphs else []
     got = model.generate(ids.to(dev), mask.to(dev), **kw)
     assert torch.equal(got.cpu(), want)
 
-    kv_lens = {generation.bucketed(n + i + 1, bucket_size, model.cache.max_len) for i in range(new_tokens - 1)}
+    kv_lens = {bucketed(n + i + 1, bucket_size, model.cache.max_len) for i in range(new_tokens - 1)}
     if bucket_size <= 0:
         kv_lens = {model.cache.max_len}
     if graphs:

@@ -93,6 +93,7 @@ def reference(x, qw, bias=None):
     return out if bias is None else out + bias.double()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_gemv_against_the_reference(device):
     """Group sizes 32 / 64 / 128 / all of K, K split 1 to 5 ways (partial groups in a split), N not a multiple of
@@ -176,6 +177,7 @@ def test_accepts_and_the_dispatch(monkeypatch):
     assert registry.bound("linear_q", "gemv_q")  # the implementation name the model binds below
 
 
+@pytest.mark.slow
 def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(tmp_path, monkeypatch):
     """Greedy decode of an int4 tiny Llama through the W4A8 path (the model's own ops: the norm + GEMV pair,
     SwiGLU + GEMV, the plain GEMV) against the native model whose int4 projections are given the same quantized

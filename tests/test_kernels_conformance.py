@@ -47,11 +47,11 @@ REF_IN_FLOAT32 = {  # gradients are cast back to the input dtype; the loss stays
 }
 # Implementations compared with the float32 reference in every dtype: swiglu_linear's training form rounds
 # silu(gate) * up once (the native op rounds silu first): at I = 14336 in bf16 that differs from the low-precision
-# reference by more than the bound (H200 run 17), while both are within it of the float32 result.
+# reference by more than the bound (seen on an H200), while both are within it of the float32 result.
 # The quantized one-row GEMV multiplies the float32 dequantized weight and rounds once; the native reference rounds
 # the dequantized weight to the activations' dtype first. At K = 14336 in fp16 (bf16) that rounding alone moves
-# outputs by more than the bound (run 21's GPU failures, reproduced on the CPU: the GEMV matched the float32-weight
-# result to 1e-4 where the native one sat 2.5e-3 away, as the fp16-weight result does).
+# outputs by more than the bound (on the GPU and on the CPU: the GEMV matched the float32-weight result to 1e-4
+# where the native one sat 2.5e-3 away, as the fp16-weight result does).
 REF_IN_FLOAT32_IMPLS = {
     ("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q"),
     ("add_rms_norm_linear_q", "gemv_q"),
@@ -72,11 +72,11 @@ def _int4_mma_takes(make) -> bool:
 # ... except the SwiGLU GEMV, which rounds silu(gate) * up to the activations' dtype as the unfused path stores it
 # (backends/triton/_qgemv.py load_x) and only then multiplies in float32: its reference does the same (the float32
 # SwiGLU differs from it by one rounding of each of I = 14336 inputs, which moved 1 of 4096 bf16 outputs of the
-# fp8_block case past the bound on the H200 in run 22; a CPU emulation of the kernel's arithmetic showed the same for
+# fp8_block case past the bound on an H200; a CPU emulation of the kernel's arithmetic showed the same for
 # every format, and none against this reference).
 # The weights the GEMV takes after SwiGLU's own kernel instead (quant_gemv.paired: int4) get that kernel's rounding:
 # silu(gate) * up in float32, rounded once (against the twice-rounded native SwiGLU, 29 of 4096 outputs of the int4
-# I = 4096 case were past the bound on the H200, session 14).
+# I = 4096 case were past the bound on an H200).
 def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
     from polyfuse.backends.triton.quant_gemv import paired
     from polyfuse.ops.quant_linear import linear_q_native
@@ -91,11 +91,11 @@ def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
 
 # swiglu_linear's training form (triton_recompute) is the same: its SwiGLU pass rounds silu(gate) * up to the inputs'
 # dtype once, then the library GEMM multiplies. Against the float32 SwiGLU, that rounding alone puts 6 of the 4096
-# bf16 outputs of the I = 14336 case up to 0.25 past the bound (the H200 failure of run 24, reproduced exactly on the
-# CPU by rounding the product and multiplying in float64); against this reference, none. Its gradients too: the
+# bf16 outputs of the I = 14336 case up to 0.25 past the bound (on an H200, and exactly so on the CPU by
+# rounding the product and multiplying in float64); against this reference, none. Its gradients too: the
 # weight's gradient sums that once-rounded product over the tokens, and against the native bf16 / fp16 SwiGLU (silu
 # rounded, then the product) 892 / 1264 of the 131072 weight-gradient elements of the GPU train_halves case were off
-# (run 26 on the H200, the same counts on the CPU); against this reference (autograd through it), none.
+# (on an H200, the same counts on the CPU); against this reference (autograd through it), none.
 def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
     h = (torch.nn.functional.silu(gate.float()) * up.float()).to(gate.dtype).float()
     return torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float()).to(gate.dtype)
@@ -103,8 +103,8 @@ def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
 
 # add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py) is the norm's kernel, which stores the normalized row in
 # the activations' dtype as the native op does, then that GEMV: the same reference, with the native norm in front
-# (against the wholly native op, 5-7 of 4096 outputs of the K = 14336 int4 cases were past the bound on the H200,
-# session 14: the weight's rounding to the activations' dtype, as for linear_q:gemv_q).
+# (against the wholly native op, 5-7 of 4096 outputs of the K = 14336 int4 cases were past the bound on an H200:
+# the weight's rounding to the activations' dtype, as for linear_q:gemv_q).
 def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
     from polyfuse.ops.add_rms_norm import add_rms_norm_native
     from polyfuse.ops.quant_linear import linear_q_native
@@ -708,6 +708,10 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
                     assert_close(g, rg, GRAD_TOL[dtype], f"{op}:{impl_name} {case_id} grad {i}", loosen)
 
 
+# The quantized GEMVs and dequantize-matmul take 3-15 s a case in the Triton interpreter: `make test-all` runs them.
+SLOW_PARAMS = (":gemv_q-", ":dequant_mm-", "add_rms_norm_linear_q:native-")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op,impl_name", _impl_params())
@@ -718,11 +722,12 @@ def test_conformance(op, impl_name, device, dtype, monkeypatch):
 # ---- targeted tests -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_recompute_weight_gradient_needs_the_once_rounded_reference():
     """The GPU train_halves case of swiglu_linear:triton_recompute (256 tokens, I = 512) on the CPU in bfloat16: its
     gradients are within the bound of the once-rounded SwiGLU reference (REF_FN, what the conformance suite uses)
-    and the weight's gradient is not within it of the native bf16 SwiGLU's (run 26's GPU failure, the same
-    892 elements here with torch 2.13): the reference choice is what the GPU case turns on."""
+    and the weight's gradient is not within it of the native bf16 SwiGLU's (892 elements, as on an H200, here
+    with torch 2.13): the reference choice is what the GPU case turns on."""
     make = dict(_cases_swiglu_linear("cpu", torch.bfloat16, True))["train_halves"]
     _, grads = _run(registry.bound("swiglu_linear", "triton_recompute"), make, True)
     _, ref = _run(REF_FN["swiglu_linear", "triton_recompute"], make, True)

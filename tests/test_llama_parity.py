@@ -280,6 +280,7 @@ def test_builtin_logits_match_hf(builtin):
     assert logits_diff(ours, hf, single) <= ATOL
 
 
+@pytest.mark.slow
 def test_builtin_greedy_generation_matches_hf(builtin):
     ours, hf, tok = builtin
     eos, pad = tok.eos_token_id, tok.pad_token_id

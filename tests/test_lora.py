@@ -148,6 +148,7 @@ def test_loss_and_adapter_gradients_match_transformers_peft(family, folders):
     assert all(p.grad is None for n, p in pf.named_parameters() if "lora_" not in n)  # the base stays frozen
 
 
+@pytest.mark.slow
 def test_builtin_model_loss_and_gradients_match_transformers_peft():
     """The built-in SmolLM2-135M (its GGUF dequantized by polyfuse's loader, the same tensors copied into
     transformers' Llama of the same config), LoRA rank 4 on all seven projections of all 30 layers."""
@@ -625,6 +626,7 @@ def test_run_clm_lora_bad_input_one_line(run_clm, capsys, tmp_path, args, messag
     _one_error(*_clm(run_clm, capsys, "--output_dir", tmp_path, "--model_impl", "polyfuse", *args), message)
 
 
+@pytest.mark.slow
 def test_run_clm_lora_without_peft_one_line(run_clm, capsys, tmp_path, monkeypatch):
     # in the process: peft not importable
     monkeypatch.setitem(sys.modules, "peft", None)

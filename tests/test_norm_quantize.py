@@ -85,6 +85,7 @@ def _tiny_family(family):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(DEV == "cpu" and cpu_scaled_mm_missing() is not None, reason="no row-wise _scaled_mm on this CPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fp8_prefill_with_the_fused_norm_gives_the_two_ops_logits(tmp_path, family):

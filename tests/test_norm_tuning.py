@@ -315,12 +315,13 @@ def test_refusals():
     assert all(torch.equal(a, p) for a, (_, p) in zip(norms, norm_weights(model)))
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_norms_on_the_builtin_model(builtin, capsys, monkeypatch):
     """evaluate_perplexity.py int4+norms and int4+scales on the built-in model: the norms (the scales) tuned on the
     Declaration's last 423 tokens lower int4's perplexity on its first 1280 tokens (not tuned on) well below round to
     nearest's (8 steps; measured: +66.5% -> +47.1%, scales +44.6%, standard errors about 4%), and the KL per token on
     the calibration window falls (0.670 -> 0.242, scales 0.211)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     quants = "none,int4,int4+norms,int4+scales"
@@ -375,6 +376,7 @@ def test_cli_tuning_steps():
         validate(args)
 
 
+@pytest.mark.slow
 def test_cli_quant_tune_norms(builtin, tmp_path, capsys):
     """run_generation.py --quant_tune_norms [STEPS] / --quant_tune_scales [STEPS]: without --quant_calibration, or
     with STEPS < 1, one error line; with both the built-in model is quantized by GPTQ, its norms and scales tuned
@@ -421,7 +423,7 @@ def test_cuda_norm_tuning_bf16(builtin, norms, scales):
     norms (or its scales) tuned 16 steps on the Declaration's last 423 tokens through the training kernels (the
     quantized matmuls' references); the KL on the window falls, the run's kernels are back (the one-row decode on the
     Triton GEMV), they read the tuned float16 scales (the serving logits move with the scales alone) and greedy
-    decoding runs. Both cases passed on an H200 (session 32; the norms' also in session 31)."""
+    decoding runs. Both cases have passed on an H200."""
     from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.quant.gptq import calibration_windows
 

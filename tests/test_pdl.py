@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from polyfuse.backends.triton import _pdl
@@ -47,6 +48,7 @@ def test_pdl_launches_only_in_inference_on_hopper_nvidia_gpus(monkeypatch):
         assert options(**off) == {"PDL": False}, off
 
 
+@pytest.mark.slow
 def test_kernels_calling_wait_prior_build_their_cache_key_with_this_triton():
     """Compiled (not interpreted) kernels: Triton walks every attribute a kernel names to build its cache key, so a
     kernel naming an instruction this Triton lacks fails at its first launch on any GPU. The CPU suite interprets the

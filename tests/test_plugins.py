@@ -59,6 +59,7 @@ def installed_example(tmp_path_factory):
     return target
 
 
+@pytest.mark.slow
 def test_example_is_an_installable_entry_point(installed_example):
     (dist,) = installed_example.glob("polyfuse_example_backend-*.dist-info")
     text = (dist / "entry_points.txt").read_text()
@@ -103,6 +104,7 @@ def _generate(out_dir: Path, pythonpath=None) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_example_plugin_runs_in_generation(installed_example, tmp_path):
     """Both runs at once (one thread each): the plugin's run names it for rms_norm; the text is the same."""
     runs = {}

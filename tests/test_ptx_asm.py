@@ -113,6 +113,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_inline_ptx_of_the_quantized_gemvs_assembles_for_sm90():
     triton = pytest.importorskip("triton")
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"

@@ -61,6 +61,7 @@ def reference(x, qw, bias=None):
     return y if bias is None else y + bias.double()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("m", [2, 5, 16, 33])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "int4_act"])
@@ -216,6 +217,7 @@ def test_int4_mma_declines_what_it_cannot_take(monkeypatch):
     assert not gemv_gptq_mma.accepts(x, None, qw)
 
 
+@pytest.mark.slow
 def test_split_k_counters_are_left_zero_and_results_repeat():
     """A split launch leaves its tile counters zero (the next launch, or a graph replay, starts clean) and gives the
     same bits every time (the partials are summed in split order, whichever program finishes last)."""
@@ -260,6 +262,7 @@ def _scales_with_nan_past_the_end(q):
     return dataclasses.replace(q, scales=padded)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "fp8_block"])
 def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, monkeypatch):
@@ -296,6 +299,7 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
     assert _qgemv.prefetch_tiles("int4", 1.0) == 0
 
 
+@pytest.mark.slow
 def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
     """The int4 GEMV's split tail loads the partials UNROLL at a time (_qgemv.int4_tail_unroll): 4, 5 (not
     a power of two: the 70B gate/up), 16 and 32 (more than the 11 splits: the rounds past the last split must read
@@ -404,6 +408,7 @@ def recording_kernels(calls):
     return registry.Kernels(choices, ctx)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_which_implementation_takes_which_rows(dtype):
     """One row: the GEMV; 2..64 rows of int4 / int8 / fp8: the GEMM (SwiGLU folded); GGUF 2..8 rows: gemm_q's
@@ -507,6 +512,7 @@ def test_cuda_quantized_model_rows_through_gemm_and_dequant(quant):
         assert ((a - b).norm() / b.norm()).item() < 1e-2
 
 
+@pytest.mark.slow
 def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     """benchmarks/benchmark_linear.py --quant's timing function on a small shape (the CUDA-graph timer replaced by two
     calls, on the first and last weight copy): every kernel row is checked against the reference and timed, none
@@ -514,7 +520,9 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark_linear.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "benchmark_linear.py"
+    )
     spec = importlib.util.spec_from_file_location("benchmark_linear", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -620,8 +628,8 @@ def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_every_swept_int8_fp8_gemv_tile_is_exact_on_a_partial_shape(device):
-    """Every int8 / fp8 one-row GEMV tile in _qgemv.SHAPE_TILES (chosen per projection on an H200; run 40 added
-    8 x 512, 8 x 1024 and 32 x 128 ones) on a weight that leaves its last column block and last K tile partial, one
+    """Every int8 / fp8 one-row GEMV tile in _qgemv.SHAPE_TILES (chosen per projection on an H200, 8 x 512, 8 x 1024
+    and 32 x 128 among them) on a weight that leaves its last column block and last K tile partial, one
     split and three: the float64 product of the dequantized weight within 1e-5 of its scale. On the GPU (``-m cuda``)
     each tile compiles with its warps and stages."""
     from polyfuse.backends.triton import _qgemv

@@ -233,6 +233,7 @@ def test_cannot_pack():
         "random_q6_k",
     ],
 )
+@pytest.mark.slow
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
@@ -315,6 +316,7 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
     assert rel(got.float(), torch.nn.functional.linear(x, qf.dequantize(qw, torch.bfloat16)).float()) > 4e-3
 
 
+@pytest.mark.slow
 def test_scaled_mm_fast_accumulation_switch(monkeypatch):
     """torch._scaled_mm gets use_fast_accum on GPUs only with POLYFUSE_FP8_FAST_ACCUM=1 (ops/quant_linear.py, read at
     import: FAST_ACCUM; off by default), never on the CPU; scaled_mm_rows passes what fast_accum says for its
@@ -864,7 +866,7 @@ def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -885,7 +887,7 @@ def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatc
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -929,6 +931,7 @@ def baseline(builtin):
     return perplexity(builtin[3], builtin[2])[0]
 
 
+@pytest.mark.slow
 def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatch):
     from benchmarks.harness.perplexity import perplexity
     from polyfuse.models import AutoModelForCausalLM
@@ -971,6 +974,7 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
 BOUNDS = {"int8": 0.01, "fp8": 0.07, "int4": 0.75}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(BOUNDS))
 def test_perplexity_of_quantized_builtin_model(builtin, baseline, fmt):
     from benchmarks.harness.perplexity import perplexity
@@ -992,6 +996,7 @@ GPTQ_FLOOR = -0.05
 GPTQ_BOUNDS = {"fp8": 0.01, "int8": 0.0063, "int4": 0.35}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(GPTQ_BOUNDS))
 def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     from benchmarks.harness.perplexity import perplexity, token_windows
@@ -1009,6 +1014,7 @@ def test_perplexity_of_gptq_quantized_builtin_model(builtin, baseline, fmt):
     assert GPTQ_FLOOR < ppl / baseline - 1 < GPTQ_BOUNDS[fmt], (fmt, ppl, baseline)
 
 
+@pytest.mark.slow
 def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     """--quant_lm_head int8 on the built-in model (its head is the tied 49152 x 576 embedding): the loss through the
     packed head's logits; measured on these windows +0.77% against +0.63% with the head in float (docs/quantization.md)."""
@@ -1022,6 +1028,7 @@ def test_perplexity_with_the_lm_head_int8(builtin, baseline):
     assert 0 <= ppl / baseline - 1 < 0.015, (ppl, baseline)
 
 
+@pytest.mark.slow
 def test_perplexity_with_int8_activations(builtin, baseline):
     """int4 with its projections' activations quantized to int8 in blocks of 32 (POLYFUSE_INT4_A8's decode, emulated
     on every position: benchmarks/harness/act_int8.py), token by token against int4 alone. Measured on these windows: each
@@ -1043,6 +1050,7 @@ def test_perplexity_with_int8_activations(builtin, baseline):
     assert -0.015 < math.expm1(moved.double().mean()) < 0.025, moved.double().mean()
 
 
+@pytest.mark.slow
 def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     """The built-in Q4_1 GGUF kept, its projections' activations quantized to int8 in blocks of 32 (the GGUF one-row
     GEMV's default on the GPU, emulated on every position: benchmarks/harness/act_int8.py), token by token against the GGUF kept
@@ -1064,10 +1072,11 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     assert abs(math.expm1(moved.double().mean())) < 0.015, moved.double().mean()
 
 
+@pytest.mark.slow
 def test_perplexity_with_fp8_activations(builtin):
     """fp8 scored with its activations rounded to e4m3 per token (fp8_block: per token and 128 columns) as a GPU's
     W8A8 prefill GEMMs round them (benchmarks/harness/act_fp8.py), token by token against the weight-only fp8 the CPU runs.
-    Measured on these windows (this CPU, session 33): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
+    Measured on these windows (on the CPU): fp8 weight-only +5.30%, W8A8 +10.02% (the H200's bf16 prefill:
     +8.2% .. +8.8% unjittered, docs/quantization.md); each token's loss moves by 0.205 nats on average (absolute),
     the perplexity by +4.5%. fp8_block +3.91% -> +4.88%, 0.087 nats: only the down projection (K = 1536) has K a
     multiple of 128 on this model, and a token's outlier coarsens one group, not its row. Held: fp8's mean move in
@@ -1093,7 +1102,7 @@ def test_perplexity_with_fp8_activations(builtin):
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     """--quant int4,int8+a8: one error line (the int8-activation paths are int4's and the GGUF's), exit 2, before any
     entry is scored."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "int4,int8+a8", "--max_tokens", "64"]) == 2
@@ -1103,11 +1112,12 @@ def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     assert len(err) == 1 and err[0].startswith("evaluate_perplexity.py: error: --quant int8+a8: +a8 is for int4")
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
     """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (benchmarks/harness/act_fp8.py),
     so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
     are the same)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "fp8,fp8+w8a8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1149,12 +1159,13 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
         (["--quant", "none,auto+lm_head", "--max_tokens", "40", "--context", "20"], "--quant auto+lm_head: "),
     ],
 )
+@pytest.mark.slow
 def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, args, says):
     """Bad input: one ``error:`` line, exit 2, and --output untouched (rows are appended once every entry has run:
     the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
-    the last are refused before a model is loaded. Before session 30's review most of these raised a traceback, a
-    negative --max_tokens scored the whole text and an empty --quant entry ran the default load."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    the last are refused before a model is loaded (not a traceback, not the whole text for a negative --max_tokens,
+    not the default load for an empty --quant entry)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     (tmp_path / "folder").mkdir()
@@ -1179,11 +1190,12 @@ def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, a
     assert out.count("perplexity") == (1 if "auto+lm_head" in " ".join(args) else 0)
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, monkeypatch):
     """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
     first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
     of a percent (the unpaired std of the losses over sqrt(tokens) would be about 20%)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "none,int8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1194,11 +1206,12 @@ def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, 
     assert abs(rows[1]["vs_first"]) < 0.05, rows[1]
 
 
+@pytest.mark.slow
 def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monkeypatch):
     """--samples 3: every entry is scored unjittered and under two jittered seeds, each against the first entry under
     the same draws: the first entry's samples are exactly 0 (the same draws on the same weights), int8's are three
     different numbers (the jitter reaches the losses) near its vs_first, and vs_first_mean is their mean."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     args = ["--quant", "none,int8", "--max_tokens", "128", "--context", "64", "--samples", "3"]
@@ -1235,7 +1248,7 @@ def test_jittered_inputs_draws_by_seed_and_leaves_the_model_as_it_was():
 
 
 # Teacher-forced next-token argmax over the text's windows: the share of positions where a quantized model picks the
-# bf16 float model's token (one H200, session 23: gguf 1.0 (a prompt runs dequantize + cuBLAS on the same bf16
+# bf16 float model's token (measured on an H200: gguf 1.0 (a prompt runs dequantize + cuBLAS on the same bf16
 # weights), int8 0.94, fp8 0.84, int4 0.58: round to nearest at 4 bits on a 135M model, +62% perplexity).
 AGREE = {"gguf": 0.99, "int8": 0.9, "fp8": 0.8, "int4": 0.5}
 
@@ -1250,7 +1263,7 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     tokens are the argmax of the same model under the native reference (dequantize + matmul, every linear_q op
     forced to it; for the GGUF, whose one-row GEMV multiplies int8 activations, with its projections' activations
     quantized the same way: benchmarks/harness/act_int8.py) on those tokens, 14 of 16 at least (the two round differently, so a
-    near tie may flip; the GGUF against the float-activation reference agreed on 13 of 16 on an H200, session 24).
+    near tie may flip; the GGUF against the float-activation reference agreed on 13 of 16 on an H200).
     Free-running greedy tokens against the float model's are not compared: this prompt has a near tie three tokens
     in, where the float model in bf16 and in float32 already part later on."""
     from benchmarks.harness.act_int8 import emulate_int8_activations_

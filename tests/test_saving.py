@@ -190,6 +190,7 @@ print(type(first).__name__, type(second).__name__, float((a - ref).abs().max()),
 """
 
 
+@pytest.mark.slow
 def test_polyfuse_patch_callable_before_and_after_importing_the_subpackage():
     code = PATCH_SCRIPT.format(tests=str(ROOT / "tests"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)

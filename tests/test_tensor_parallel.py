@@ -186,6 +186,7 @@ def tp_results(tmp_path_factory):
 CASES = ["gqa_split", "gqa_replicated", "qwen2_uneven", "builtin"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_matches_tp1(tp_results, case):
     if case not in tp_results[0]["cases"]:
@@ -348,6 +349,7 @@ def tiny_cli_model(tmp_path_factory):
     return write_tiny_cli_model(str(tmp_path_factory.mktemp("tiny_cli")), tokenizer, max_position_embeddings=64)
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun_rank0_prints(capsys, tiny_cli_model):
     from polyfuse.cli.generate import main
 
@@ -362,6 +364,7 @@ def test_cli_under_torchrun_rank0_prints(capsys, tiny_cli_model):
     assert outputs == single
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun_quantized(capsys, tiny_cli_model, tmp_path):
     """An int8 checkpoint (saved at TP=1) with ``--quant int8 --quant_lm_head`` under torchrun: each rank slices
     the stored int8 projections and packs its rows of the tied head; the output equals the single process's."""
@@ -396,6 +399,7 @@ def one_head_model(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_unsplittable_world_size_one_error_line_every_rank_exits(one_head_model):
     """Two bare processes, as torchrun would start them but with no launcher to stop the survivors: each must end
     by itself, promptly, with the error code; only rank 0 speaks."""
@@ -434,6 +438,7 @@ def test_unsplittable_world_size_one_error_line_every_rank_exits(one_head_model)
     print(f"bad world size: both ranks exited 2 after {max(ends) - t0:.1f} s")
 
 
+@pytest.mark.slow
 def test_spawn_launcher_one_error_line(one_head_model):
     spawn = str(ROOT / "examples" / "spawn.py")
     p = _run(
@@ -446,7 +451,7 @@ def test_spawn_launcher_one_error_line(one_head_model):
 
 
 def test_shutdown_does_not_wait_forever_on_a_hung_destroy(monkeypatch, capsys):
-    """Run 21 (2 x H200): after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
+    """On 2 x H200, after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
     exit. shutdown() gives it DESTROY_TIMEOUT_S, says so in one warning line and returns (the caller then exits)."""
     import threading
 

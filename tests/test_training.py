@@ -82,6 +82,7 @@ def _triton_impls():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _triton_impls(), reason="no Triton training kernels registered")
 def test_convergence_triton_kernels_interpreted(reference):
     """The CUDA backend's Triton kernels (forward + backward) run on CPU through TRITON_INTERPRET=1: a Kernels object
@@ -214,6 +215,7 @@ def _run_clm(*args):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_run_clm_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -234,6 +236,7 @@ def test_run_clm_end_to_end(tmp_path):
     assert not torch.equal(logits, before(ids).logits)  # it trained and saved the trained weights
 
 
+@pytest.mark.slow
 def test_run_clm_bad_arguments_one_line(tmp_path):
     # a __post_init__ ValueError and an argparse error (unknown op overrides are covered by test_bad_arguments)
     for bad in (["--use_lazy_mode", "True"], ["--no_such_flag", "1"]):

@@ -89,7 +89,7 @@ def count_all_reduces(model):
 
 def prefill_logits(model, ids, mask):
     """The cached prefill step (the path generation takes): the last position's logits."""
-    from polyfuse.generation.generate import ensure_cache
+    from polyfuse.generation.kv_cache import ensure_cache
 
     with torch.inference_mode():
         model.cache = None

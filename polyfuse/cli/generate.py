@@ -506,6 +506,7 @@ class Runs:
 
     def one(self) -> list[dict]:
         from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
+        from polyfuse.generation.hooks import PhaseTimer  # the Stats block's phase times
 
         args, outs, times = self.args, [], []
         for rows in self.groups:
@@ -514,14 +515,15 @@ class Runs:
             kw = cli_generation_kwargs(args, self.tokenizer)
             if kw["streamer"] is None and kw["num_beams"] == 1:
                 kw["streamer"] = token_bar(self.bars, args.max_new_tokens)
-            timings = {}
+            timer = PhaseTimer(self.model.runtime)
             out = self.model.generate(
                 ids, mask, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 generator=self.gen, ignore_eos=args.ignore_eos, bucket_size=args.bucket_size,
-                use_cache=args.use_kv_cache, timings=timings, **kw,
+                use_cache=args.use_kv_cache, hooks=timer, **kw,
             )  # fmt: skip
+            timings = timer.timings
             self.first_logits.check(self.model.dtype)
             outs.append((rows, ids, out))
             times.append(dict(first_s=timings["first_token_s"], rest_s=timings["rest_s"], rows=out.shape[0],

@@ -63,8 +63,11 @@ class CausalLM(Protocol):
         """Make position tables cover ``length``; True when a table was rebuilt (the engine then resets captured
         graphs, which hold the old tables)."""
 
-    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
-        """One cached step (prefill or decode): writes ``self.cache``, returns the last position's logits [B, V]."""
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None):
+        """One cached step (prefill, decode, or several positions to verify): writes ``self.cache`` at
+        ``cache_position``; returns the last position's logits [B, V], or with ``logits_to_keep`` = k those of the
+        last k positions [B, k, V] (0: every position, as transformers' ``logits_to_keep``). Only the default may
+        prune the last layer to the last row."""
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None):
         """Full-sequence forward without a cache: an output with ``.logits`` (or ``.loss`` with labels)."""

@@ -137,9 +137,8 @@ def for_build(device, tp: Optional[TPContext] = None, training: bool = False) ->
     return tp
 
 
-# How long shutdown() waits for destroy_process_group (POLYFUSE_DESTROY_TIMEOUT_S). On 2 x H200 with NCCL, a decode
-# benchmark's processes twice stayed in their teardown past a 280 s call after printing every result (runs 19, 21);
-# the callers end the process with os._exit right after shutdown(), so a destroy still running then is abandoned.
+# How long shutdown() waits for destroy_process_group: NCCL's teardown has hung after the results on 2 x H200, and the
+# callers os._exit right after shutdown(), so a destroy still running then is abandoned.
 DESTROY_TIMEOUT_S = float(os.environ.get("POLYFUSE_DESTROY_TIMEOUT_S", "20"))
 
 

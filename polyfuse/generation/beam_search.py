@@ -20,10 +20,11 @@ in-place ``TokenStep`` (one replay per whole token) is not used for beam search.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable
 
 import torch
 
+from polyfuse.generation.decoding import Decoding
 from polyfuse.generation.logits_processors import mark_seen_, penalize, seen_mask
 
 
@@ -41,117 +42,129 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.take_along_dim(t, idx, dim=1)
 
 
-def beam_search(
-    logits: torch.Tensor,
-    advance: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-    input_ids: torch.Tensor,
-    num_beams: int,
-    num_return_sequences: int,
-    max_new_tokens: int,
-    eos: Sequence[int],
-    pad_token_id: int,
-    repetition_penalty: float = 1.0,
-    stop=None,
-    length_penalty: float = 1.0,
-    early_stopping: Union[bool, str] = False,
-    after_step: Optional[Callable[[int], None]] = None,
-) -> torch.Tensor:
-    """Sequences [batch * num_return_sequences, n + generated].
+class BeamSearch:
+    """The beams of every prompt ([B, num_beams] running, [B, num_beams] kept hypotheses) and one selection step."""
 
-    ``logits`` [rows, V]: the prefill's last-position logits for ``input_ids`` [rows = batch * num_beams, n], each
-    prompt repeated ``num_beams`` times. ``advance(tokens [rows], beam_idx [rows], i)`` reorders the model's state rows
-    by ``beam_idx`` (flat parent rows, positions < n + i), feeds ``tokens`` at position n + i and returns the next
-    logits. ``stop``: a :class:`polyfuse.generation.stopping.StopStrings` or None. ``after_step(i)`` runs after the i-th
-    selection (step boundaries, timing)."""
-    device = logits.device
-    rows, n = input_ids.shape
-    k = num_beams
-    b = rows // k
-    max_length = n + max_new_tokens
-    eos_t = torch.tensor(list(eos), device=device) if eos else None
-    keep = max(2, 1 + len(eos)) * k
-    top_mask = torch.cat((torch.ones(k, dtype=torch.bool), torch.zeros(keep - k, dtype=torch.bool))).to(device)
+    def __init__(self, d: Decoding, vocab: int):
+        p, o = d.prompts, d.options
+        device = p.input_ids.device
+        rows, n = p.input_ids.shape
+        k = self.k = o.num_beams
+        b = self.b = rows // k
+        self.n, self.max_length, self.options, self.stop = n, n + p.max_new_tokens, o, d.stop
+        self.eos = torch.tensor(list(p.eos), device=device) if p.eos else None
+        self.keep = max(2, 1 + len(p.eos)) * k
+        top = (torch.ones(k, dtype=torch.bool), torch.zeros(self.keep - k, dtype=torch.bool))
+        self.top_mask = torch.cat(top).to(device)
+        self.running = torch.full((b, k, self.max_length), p.pad_token_id, dtype=torch.int64, device=device)
+        self.running[:, :, :n] = p.input_ids.reshape(b, k, n)
+        self.sequences = self.running.clone()
+        self.running_scores = torch.zeros((b, k), dtype=torch.float, device=device)
+        self.running_scores[:, 1:] = -1e9  # only the first beam's continuations count at the first step
+        self.beam_scores = torch.full((b, k), -1e9, dtype=torch.float, device=device)
+        self.finished = torch.zeros((b, k), dtype=torch.bool, device=device)
+        self.improvable = torch.ones((b, 1), dtype=torch.bool, device=device)
+        self.running_idx = torch.full((b, k, p.max_new_tokens), -1, dtype=torch.int32, device=device)
+        self.beam_indices = self.running_idx.clone()
+        self.offset = torch.arange(b, device=device).view(-1, 1) * k
+        self.seen = seen_mask(p.input_ids, vocab) if o.penalty is not None else None
+        self.cur_len = n
 
-    running = torch.full((b, k, max_length), pad_token_id, dtype=torch.int64, device=device)
-    running[:, :, :n] = input_ids.reshape(b, k, n)
-    sequences = running.clone()
-    running_scores = torch.zeros((b, k), dtype=torch.float, device=device)
-    running_scores[:, 1:] = -1e9  # only the first beam's continuations count at the first step
-    beam_scores = torch.full((b, k), -1e9, dtype=torch.float, device=device)
-    finished = torch.zeros((b, k), dtype=torch.bool, device=device)
-    improvable = torch.ones((b, 1), dtype=torch.bool, device=device)
-    running_idx = torch.full((b, k, max_new_tokens), -1, dtype=torch.int32, device=device)
-    beam_indices = running_idx.clone()
-    offset = torch.arange(b, device=device).view(-1, 1) * k
-    penalty = repetition_penalty if repetition_penalty != 1.0 else None
-    seen = seen_mask(input_ids, logits.shape[-1]) if penalty is not None else None
-
-    cur_len = n
-    while True:
+    def _candidates(self, logits: torch.Tensor) -> tuple:
+        """The top ``keep`` continuations over all beams of each prompt, and which hit a stopping criterion."""
+        b, k, cur = self.b, self.k, self.cur_len
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        if seen is not None:
-            log_probs = penalize(log_probs, seen, penalty)
+        if self.seen is not None:
+            log_probs = penalize(log_probs, self.seen, self.options.penalty)
         vocab = log_probs.shape[-1]
-        acc = (log_probs.view(b, k, vocab) + running_scores[:, :, None]).reshape(b, k * vocab)
-
-        # Top-K continuations over all beams of each prompt.
-        topk_lp, topk_ix = torch.topk(acc, k=keep)
+        acc = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).reshape(b, k * vocab)
+        topk_lp, topk_ix = torch.topk(acc, k=self.keep)
         parent = topk_ix // vocab
-        topk_running_idx = _gather(running_idx, parent)
-        topk_running = _gather(running, parent)
+        topk_running_idx = _gather(self.running_idx, parent)
+        topk_running = _gather(self.running, parent)
         topk_ids = topk_ix % vocab
-        topk_running[:, :, cur_len] = topk_ids
-        topk_running_idx[:, :, cur_len - n] = (parent + offset).to(torch.int32)
-
+        topk_running[:, :, cur] = topk_ids
+        topk_running_idx[:, :, cur - self.n] = (parent + self.offset).to(torch.int32)
         # Which candidates hit a stopping criterion (max length, an EOS id, a stop string).
-        hits = torch.full((b, keep), cur_len + 1 >= max_length, dtype=torch.bool, device=device)
-        if eos_t is not None:
-            hits |= (topk_ids[..., None] == eos_t).any(-1)
-        if stop is not None:
-            hits |= stop(topk_running[:, :, : cur_len + 1].reshape(b * keep, -1), n).view(b, keep)
+        hits = torch.full((b, self.keep), cur + 1 >= self.max_length, dtype=torch.bool, device=logits.device)
+        if self.eos is not None:
+            hits |= (topk_ids[..., None] == self.eos).any(-1)
+        if self.stop is not None:
+            hits |= self.stop(topk_running[:, :, : cur + 1].reshape(b * self.keep, -1), self.n).view(b, self.keep)
+        return topk_lp, topk_running, topk_running_idx, hits
 
+    def _merge_finished(self, topk_lp, topk_running, topk_running_idx, hits) -> None:
+        """Finished candidates among the top num_beams join the hypotheses if they beat the kept ones."""
+        o = self.options
+        just_finished = hits & self.top_mask[None, :]
+        scores = topk_lp / ((self.cur_len + 1 - self.n) ** o.length_penalty)
+        full = torch.all(self.finished, dim=-1, keepdim=True) & (o.early_stopping is True)
+        scores += full.to(torch.float32) * -1.0e9
+        scores += (~self.improvable).to(torch.float32) * -1.0e9
+        scores += (~just_finished) * -1.0e9
+        merged_ix = torch.topk(torch.cat((self.beam_scores, scores), dim=1), k=self.k)[1]
+        self.sequences = _gather(torch.cat((self.sequences, topk_running), dim=1), merged_ix)
+        self.beam_scores = _gather(torch.cat((self.beam_scores, scores), dim=1), merged_ix)
+        self.beam_indices = _gather(torch.cat((self.beam_indices, topk_running_idx), dim=1), merged_ix)
+        self.finished = _gather(torch.cat((self.finished, just_finished), dim=1), merged_ix)
+
+    def step(self, logits: torch.Tensor) -> torch.Tensor:
+        """One selection from ``logits`` [rows, V]: the running beams advance by one token; returns the hits."""
+        topk_lp, topk_running, topk_running_idx, hits = self._candidates(logits)
         # The best num_beams unfinished candidates keep running.
         running_lp = topk_lp + hits.to(torch.float32) * -1.0e9
-        next_ix = torch.topk(running_lp, k=k)[1]
-        running = _gather(topk_running, next_ix)
-        running_scores = _gather(running_lp, next_ix)
-        running_idx = _gather(topk_running_idx, next_ix)
-
-        # Finished candidates among the top num_beams join the hypotheses if they beat the kept ones.
-        just_finished = hits & top_mask[None, :]
-        scores = topk_lp / ((cur_len + 1 - n) ** length_penalty)
-        full = torch.all(finished, dim=-1, keepdim=True) & (early_stopping is True)
-        scores += full.to(torch.float32) * -1.0e9
-        scores += (~improvable).to(torch.float32) * -1.0e9
-        scores += (~just_finished) * -1.0e9
-        merged_ix = torch.topk(torch.cat((beam_scores, scores), dim=1), k=k)[1]
-        sequences = _gather(torch.cat((sequences, topk_running), dim=1), merged_ix)
-        beam_scores = _gather(torch.cat((beam_scores, scores), dim=1), merged_ix)
-        beam_indices = _gather(torch.cat((beam_indices, topk_running_idx), dim=1), merged_ix)
-        finished = _gather(torch.cat((finished, just_finished), dim=1), merged_ix)
-
-        beam_idx = running_idx[..., cur_len - n].reshape(-1).long()
-        cur_len += 1
+        next_ix = torch.topk(running_lp, k=self.k)[1]
+        self.running = _gather(topk_running, next_ix)
+        self.running_scores = _gather(running_lp, next_ix)
+        self.running_idx = _gather(topk_running_idx, next_ix)
+        self._merge_finished(topk_lp, topk_running, topk_running_idx, hits)
+        self.beam_idx = self.running_idx[..., self.cur_len - self.n].reshape(-1).long()
+        self.cur_len += 1
         # Early-stop heuristic: can the best running beam still beat the worst kept hypothesis?
-        if early_stopping == "never" and length_penalty > 0.0:
-            best_len = max_length - n
+        o = self.options
+        if o.early_stopping == "never" and o.length_penalty > 0.0:
+            best_len = self.max_length - self.n
         else:
-            best_len = cur_len - n
-        best_running = running_scores[:, :1] / (best_len**length_penalty)
-        worst_kept = torch.where(finished, torch.min(beam_scores, dim=1, keepdim=True)[0], -1.0e9)
-        improvable = improvable & torch.any(best_running > worst_kept, dim=-1, keepdim=True)
-        if after_step is not None:
-            after_step(cur_len - n - 1)
-        open_beam = not (early_stopping is True and bool(finished.all()))
-        if not (bool(improvable.any()) and open_beam and not bool(hits.all())):
-            break
-        tokens = running[:, :, cur_len - 1].reshape(-1)
-        if seen is not None:
-            seen = seen.index_select(0, beam_idx)
-            mark_seen_(seen, tokens)
-        logits = advance(tokens, beam_idx, cur_len - 1 - n)
+            best_len = self.cur_len - self.n
+        best_running = self.running_scores[:, :1] / (best_len**o.length_penalty)
+        worst_kept = torch.where(self.finished, torch.min(self.beam_scores, dim=1, keepdim=True)[0], -1.0e9)
+        self.improvable = self.improvable & torch.any(best_running > worst_kept, dim=-1, keepdim=True)
+        return hits
 
-    sequences = sequences[:, :num_return_sequences].reshape(b * num_return_sequences, -1)
-    beam_indices = beam_indices[:, :num_return_sequences].reshape(b * num_return_sequences, -1)
-    generated = int((beam_indices + 1).bool().sum(dim=1).max())
-    return sequences[:, : n + generated]
+    def done(self, hits: torch.Tensor) -> bool:
+        open_beam = not (self.options.early_stopping is True and bool(self.finished.all()))
+        return not (bool(self.improvable.any()) and open_beam and not bool(hits.all()))
+
+    def next_tokens(self) -> torch.Tensor:
+        """The running beams' last tokens [rows] (the seen ids follow the beams' parents)."""
+        tokens = self.running[:, :, self.cur_len - 1].reshape(-1)
+        if self.seen is not None:
+            self.seen = self.seen.index_select(0, self.beam_idx)
+            mark_seen_(self.seen, tokens)
+        return tokens
+
+    def best(self, num_return_sequences: int) -> torch.Tensor:
+        """The best hypotheses per prompt, rows b * num_return_sequences + r, cut to the longest of them."""
+        r = num_return_sequences
+        sequences = self.sequences[:, :r].reshape(self.b * r, -1)
+        beam_indices = self.beam_indices[:, :r].reshape(self.b * r, -1)
+        generated = int((beam_indices + 1).bool().sum(dim=1).max())
+        return sequences[:, : self.n + generated]
+
+
+def beam_search(d: Decoding, logits: torch.Tensor, advance: Callable) -> torch.Tensor:
+    """Sequences [batch * num_return_sequences, n + generated].
+
+    ``logits`` [rows, V]: the prompt's last-position logits for ``d.prompts`` (rows = batch * num_beams, each prompt
+    repeated num_beams times). ``advance(tokens [rows], beam_idx [rows], i)`` reorders the model's state rows by
+    ``beam_idx`` (flat parent rows, positions < n + i), feeds ``tokens`` at position n + i and returns the next
+    logits (polyfuse.generation.feeds)."""
+    beams = BeamSearch(d, logits.shape[-1])
+    while True:
+        hits = beams.step(logits)
+        i = beams.cur_len - beams.n - 1
+        d.boundary(i)
+        if beams.done(hits):
+            break
+        logits = advance(beams.next_tokens(), beams.beam_idx, i)
+    return beams.best(d.options.num_return_sequences).to(d.prompts.input_ids.dtype)

@@ -1,4 +1,5 @@
-"""Static, preallocated key/value cache: [B, Hkv, S, D] per layer, written in place at the given positions."""
+"""Static, preallocated key/value cache: [B, Hkv, S, D] per layer, written in place at the given positions; its
+allocation on a model (``ensure_cache``) and the KV lengths a step attends to (``--bucket_size``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ class StaticKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, torch.device(device)
-        self.token_state = None  # the in-place greedy step's buffers for this cache (generation/generate.py)
+        self.token_state = None  # the in-place greedy step's buffers for this cache (generation/token_state.py)
 
     def fits(self, batch: int, length: int, dtype, device) -> bool:
         return self.batch == batch and self.max_len >= length and self.dtype == dtype and self.device == device
@@ -25,3 +26,27 @@ class StaticKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def ensure_cache(model, batch: int, max_len: int) -> bool:
+    """Give ``model.cache`` room for ``batch`` x ``max_len``; True when a new cache was allocated."""
+    cache = model.cache
+    if cache is not None and cache.fits(batch, max_len, model.dtype, model.device):
+        return False
+    model.cache = None  # free the old one first
+    layers, kv_heads, head_dim = model.kv_cache_layout()
+    model.cache = StaticKVCache(layers, batch, kv_heads, max_len, head_dim, model.dtype, model.device)
+    return True
+
+
+def bucketed(length: int, bucket_size: int, limit: int) -> int:
+    """Round ``length`` up to a multiple of ``bucket_size`` (no rounding when bucket_size <= 0), at most ``limit``."""
+    if bucket_size <= 0:
+        return length
+    return min(-(-length // bucket_size) * bucket_size, max(limit, length))
+
+
+def kv_len_at(position: int, bucket_size: int, max_len: int) -> int:
+    """The KV length a step whose last query is at cache slot ``position`` attends to: the bucket holding it, or
+    the whole cache without buckets (one static length, so one graph)."""
+    return bucketed(position + 1, bucket_size, max_len) if bucket_size > 0 else max_len

@@ -462,9 +462,9 @@ class DecoderForCausalLM(nn.Module):
             meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
         return meta
 
-    def hidden_states(self, input_ids, position_ids, f: Forward, last: bool = False) -> torch.Tensor:
-        """The final norm's output [B, L, H]; ``last=True``: of the last position only [B, 1, H] (a cached step needs
-        no more: the final norm then reads one row per sequence, not the whole prompt)."""
+    def hidden_states(self, input_ids, position_ids, f: Forward, last: int = 0) -> torch.Tensor:
+        """The final norm's output [B, L, H]; ``last`` > 0: of the last ``last`` positions only [B, last, H] (a cached
+        step needs no more: the final norm then reads those rows per sequence, not the whole prompt)."""
         m = self.model
         f.cos, f.sin = m.rotary_emb(position_ids)
         hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
@@ -482,7 +482,7 @@ class DecoderForCausalLM(nn.Module):
                 hook()
             pending, residual = layer(pending, residual, f, last=True) if i == final else layer(pending, residual, f)
         if last:
-            pending, residual = pending[:, -1:], (residual[:, -1:] if residual is not None else None)
+            pending, residual = pending[:, -last:], (residual[:, -last:] if residual is not None else None)
         return m.norm(pending, f, residual)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
@@ -521,16 +521,17 @@ class DecoderForCausalLM(nn.Module):
     def prepare_positions(self, length: int) -> bool:
         return self.model.rotary_emb.update_length(length)
 
-    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int) -> torch.Tensor:
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None):
         n = input_ids.shape[1]
+        keep = 1 if logits_to_keep is None else (n if logits_to_keep == 0 else min(logits_to_keep, n))
         metas = self.make_metas(n, key_mask, cache_position, kv_len, cached=True)
         f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
-        if n > 1 and self.prune_last_layer:
+        if n > 1 and keep == 1 and self.prune_last_layer:
             f.last_metas = self.last_query_metas(input_ids.shape[0], key_mask, cache_position, kv_len)
-        h = self.hidden_states(input_ids, position_ids, f, last=True)
-        if self.vocab is not None:
-            return self.vocab_parallel_logits(h[:, -1])
-        return self.head_logits(h[:, -1])
+        h = self.hidden_states(input_ids, position_ids, f, last=keep)
+        if logits_to_keep is None:
+            h = h[:, -1]
+        return self.vocab_parallel_logits(h) if self.vocab is not None else self.head_logits(h)
 
     def last_query_metas(self, batch: int, key_mask, cache_position, kv_len: int) -> dict:
         """The attention metadata of a step's last query alone, by sliding window: a one-query step at the last

@@ -85,11 +85,8 @@ def scaled_mm_refusal(x: torch.Tensor, qweight: QuantizedWeight) -> Optional[str
     return None
 
 
-# Hopper's fp8 tensor cores accumulate K in a narrower register unless the GEMM promotes partial sums to float32
-# every few steps; "fast accumulation" skips the promotion (torchao's float8 inference default). Opt-in here
-# (POLYFUSE_FP8_FAST_ACCUM=1): on the H200 it made the 8B prefill's fp8 GEMMs 16% faster (run 24), but one row of
-# K = 14336 came out with one of 4096 outputs 128 off (over 10x the outputs' rms; the GPU conformance case
-# linear_q:scaled_mm bf16, run 26), which the promoted accumulation does not do. docs/quantization.md has both.
+# Fast fp8 accumulation skips Hopper's periodic float32 promotion of partial sums: 16% faster 8B prefill GEMMs, but one
+# of 4096 outputs of a K = 14336 row came out 128 off on an H200, so it is opt-in (docs/quantization.md).
 FAST_ACCUM = os.environ.get("POLYFUSE_FP8_FAST_ACCUM", "0") == "1"
 
 

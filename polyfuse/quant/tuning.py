@@ -50,10 +50,8 @@ from polyfuse.quant.qlinear import QLinear
 logger = logging.getLogger("polyfuse")
 
 
-# Adam's learning rate and its steps (one window each, the windows visited in passes of a seeded order). Measured on
-# the built-in model's int4 (docs/quantization.md, "Quality": norm tuning): 52, 104 and 128 steps over 26 windows of
-# its own answers ended within each other's noise on both scored texts, 24 (session 30) did less; with 3 windows more
-# passes kept helping up to the 48 steps tried; learning rate 5e-3 was worse than 2e-3.
+# Adam's learning rate and steps (one window each, in passes of a seeded order): on the built-in model's int4, 52-128
+# steps ended within each other's noise and 5e-3 did worse than 2e-3 (docs/quantization.md, "Quality").
 NORM_LR = 2e-3
 NORM_STEPS = 128
 # Every HOLD_OUT-th window (at least one, with two windows or more) only judges the passes.

@@ -1,0 +1,184 @@
+"""The generation settings: one validated dataclass with transformers' names and meanings (``GenerationConfig``),
+plus polyfuse's own (``ignore_eos``, ``stop_token_ids``, ``bucket_size``).
+
+``GenerationOptions.from_kwargs(generation_config=None, **kwargs)`` builds it once per ``generate()`` call: the
+fields a transformers ``GenerationConfig`` sets, then the keyword arguments over them (a keyword given as None leaves
+the field unset). Unset fields take polyfuse's defaults, which are transformers' except ``top_k`` (None: no top-k,
+where transformers fills in 50) and the length (20 new tokens, where transformers' default is ``max_length=20``).
+A setting polyfuse does not implement is refused (TypeError as a keyword, ValueError in a config), never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from polyfuse.generation.sampling import validate_sampling
+from polyfuse.generation.stopping import as_stop_strings
+
+
+DEFAULT_NEW_TOKENS = 20
+# GenerationConfig fields that carry no setting for polyfuse's decoding (identity, bookkeeping, output format).
+_CONFIG_IGNORED = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "decoder_start_token_id"})
+
+
+def _ids(value: Union[int, Sequence[int], None]) -> Optional[tuple]:
+    if value is None:
+        return None
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _is_count(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    max_new_tokens: Optional[int] = None  # None: max_length - prompt length when max_length is set, else 20
+    max_length: Optional[int] = None  # prompt + new tokens (transformers' meaning); max_new_tokens wins
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    repetition_penalty: float = 1.0
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    stop_strings: Union[str, Sequence[str], None] = ()  # kept as a tuple of strings
+    eos_token_id: Union[int, Sequence[int], None] = None  # None: the model config's; kept as a tuple
+    pad_token_id: Optional[int] = None  # None: the config's, else the first EOS id, else 0
+    stop_token_ids: Union[int, Sequence[int], None] = ()  # extra ids that end a row like EOS (kept with ignore_eos)
+    ignore_eos: bool = False
+    bucket_size: int = -1  # KV cache and attended length in multiples of this (<= 0: one static length)
+    use_cache: bool = True  # False: recompute the whole sequence every token
+
+    def __post_init__(self):
+        # Normalized once here, so every reader sees tuples (frozen: set through object.__setattr__).
+        object.__setattr__(self, "stop_strings", as_stop_strings(self.stop_strings))
+        object.__setattr__(self, "eos_token_id", _ids(self.eos_token_id))
+        object.__setattr__(self, "stop_token_ids", _ids(self.stop_token_ids) or ())
+        self.validate()
+
+    def validate(self) -> None:
+        """One-line ValueErrors for settings that cannot run (the CLI prints them as ``error:`` lines)."""
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_length is not None and not _is_count(self.max_length, 1):
+            raise ValueError(f"max_length must be an integer >= 1, got {self.max_length!r}")
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+        if not _is_count(self.num_beams, 1):
+            raise ValueError(f"num_beams must be an integer >= 1, got {self.num_beams!r}")
+        if not _is_count(self.num_return_sequences, 1):
+            raise ValueError(f"num_return_sequences must be an integer >= 1, got {self.num_return_sequences!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        n, beams = self.num_return_sequences, self.num_beams
+        if beams > 1 and self.do_sample:
+            raise ValueError(
+                "beam sampling (do_sample with num_beams > 1) is not supported: use num_beams=1 to sample, or "
+                "do_sample=False for beam search"
+            )
+        if beams > 1 and n > beams:
+            raise ValueError(f"num_return_sequences ({n}) must be <= num_beams ({beams}) for beam search")
+        if beams == 1 and n > 1 and not self.do_sample:
+            raise ValueError(
+                f"num_return_sequences={n} needs do_sample=True or num_beams >= num_return_sequences "
+                "(greedy decoding returns one sequence per prompt)"
+            )
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+    @classmethod
+    def from_kwargs(cls, generation_config=None, **kwargs) -> "GenerationOptions":
+        """From a transformers ``GenerationConfig`` (its set fields) and keyword arguments over it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in kwargs:
+            if name not in names:
+                raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
+        values = _config_values(generation_config, names) if generation_config is not None else {}
+        values.update((k, v) for k, v in kwargs.items() if v is not None)
+        return cls(**values)
+
+    # -- what the engine reads ------------------------------------------------------------------------------------
+
+    def new_tokens(self, prompt_len: int) -> int:
+        """How many tokens to generate after a prompt of ``prompt_len``."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        if self.max_length is None:
+            return DEFAULT_NEW_TOKENS
+        if self.max_length <= prompt_len:
+            raise ValueError(f"max_length ({self.max_length}) leaves no room after the prompt's {prompt_len} tokens")
+        return self.max_length - prompt_len
+
+    def eos_ids(self, config_eos) -> list:
+        """The ids that end a row: the EOS ids (these options', else the config's; none with ignore_eos), then the
+        stop token ids."""
+        eos = [] if self.ignore_eos else list(self.eos_token_id or _ids(config_eos) or ())
+        return eos + [t for t in self.stop_token_ids if t not in eos]
+
+    @property
+    def copies(self) -> int:
+        """Rows per prompt: its beams, or its returned samples."""
+        return self.num_beams if self.num_beams > 1 else self.num_return_sequences
+
+    @property
+    def penalty(self) -> Optional[float]:
+        """The repetition penalty, None where it is off (1.0)."""
+        return float(self.repetition_penalty) if self.repetition_penalty != 1.0 else None
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax tokens with no host-side check per token: what the in-place TokenStep can run."""
+        return not self.do_sample and self.num_beams == 1 and not self.stop_strings
+
+
+def _config_values(config, names) -> dict:
+    """The fields a transformers ``GenerationConfig`` sets (``to_diff_dict``: the non-default ones) that polyfuse
+    reads; a ValueError naming any other set field that would change decoding."""
+    values, unsupported = {}, []
+    for key, value in config.to_diff_dict().items():
+        if key in names:
+            if value is not None:
+                values[key] = value
+        elif key not in _CONFIG_IGNORED and value not in (None, False):
+            unsupported.append(key)
+    if unsupported:
+        raise ValueError(
+            f"generation_config sets {', '.join(sorted(unsupported))}, which polyfuse's generate() does not support"
+        )
+    return values
+
+
+def check_runtime_objects(options: GenerationOptions, tokenizer=None, streamer=None) -> None:
+    """One-line ValueErrors for the objects generate() takes besides the settings."""
+    if options.stop_strings and tokenizer is None:
+        raise ValueError(
+            "stop_strings needs tokenizer= (a tokenizer, or a callable decoding a list of token ids to text)"
+        )
+    if streamer is None:
+        return
+    if options.num_beams > 1:
+        raise ValueError("streaming is not supported with beam search (num_beams > 1), as in transformers")
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(f"streamer must have put(token_ids) and end() methods, got {type(streamer).__name__}")
+
+
+def check_generation_options(
+    do_sample: bool = False,
+    repetition_penalty: float = 1.0,
+    num_beams: int = 1,
+    num_return_sequences: int = 1,
+    early_stopping: Union[bool, str] = False,
+    stop_strings: Union[str, Sequence[str], None] = None,
+    tokenizer=None,
+    streamer=None,
+) -> None:  # 8 parameters: the CLI's check of the flags it passes, by generate()'s names
+    """The ValueError generate() would raise for these settings, without generating (polyfuse/cli)."""
+    options = GenerationOptions(
+        do_sample=do_sample, repetition_penalty=repetition_penalty, num_beams=num_beams,
+        num_return_sequences=num_return_sequences, early_stopping=early_stopping, stop_strings=stop_strings,
+    )  # fmt: skip
+    check_runtime_objects(options, tokenizer, streamer)

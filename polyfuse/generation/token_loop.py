@@ -1,0 +1,62 @@
+"""The per-token loop: each token chosen outside the step from its logits (sampling, stop strings, runtimes
+without in-place decoding such as HPU), then fed back (polyfuse.generation.feeds). With transformers' order: the
+repetition penalty, then the warpers and the draw (or argmax), finished rows padded, EOS ids and stop strings."""
+
+from __future__ import annotations
+
+import torch
+
+from polyfuse.generation.decoding import Decoding
+from polyfuse.generation.logits_processors import mark_seen_, penalize, seen_mask
+from polyfuse.generation.sampling import next_token
+
+
+class TokenPicker:
+    """``pick(i, logits [rows, V]) -> tokens [rows]`` for new position i; ``out`` holds every row's tokens so far
+    and ``finished`` the rows that ended."""
+
+    def __init__(self, d: Decoding):
+        p = d.prompts
+        device = p.input_ids.device
+        self.d, self.options = d, d.options
+        self.eos = torch.tensor(p.eos, device=device) if p.eos else None
+        self.can_finish = self.eos is not None or d.stop is not None
+        self.finished = torch.zeros(p.rows, dtype=torch.bool, device=device)
+        self.out = torch.full((p.rows, p.max_new_tokens), p.pad_token_id, dtype=p.input_ids.dtype, device=device)
+        self.seen = None  # the repetition penalty's seen ids [rows, vocab], made at the first logits
+
+    def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        o, p, penalty = self.options, self.d.prompts, self.options.penalty
+        if penalty is not None:
+            if self.seen is None:
+                self.seen = seen_mask(p.input_ids, logits.shape[-1])
+            logits = penalize(logits.float(), self.seen, penalty)
+        tok = next_token(logits, o.do_sample, o.temperature, o.top_k, o.top_p, self.d.generator)
+        if self.can_finish:
+            tok = torch.where(self.finished, torch.full_like(tok, p.pad_token_id), tok)
+        if self.eos is not None:
+            self.finished.logical_or_(torch.isin(tok, self.eos))
+        self.out[:, i] = tok
+        if self.seen is not None:
+            mark_seen_(self.seen, tok)
+        if self.d.stop is not None:
+            self.finished.logical_or_(self.d.stop(torch.cat([p.input_ids, self.out[:, : i + 1]], dim=1), p.n))
+        if self.d.streamer is not None:
+            self.d.streamer.put(tok.cpu())
+        return tok
+
+    def done(self, i: int) -> bool:
+        """Token i was the last: the length is reached or every row has finished (a host sync)."""
+        return i == self.d.prompts.max_new_tokens - 1 or (self.can_finish and bool(self.finished.all()))
+
+
+def token_loop(d: Decoding, logits: torch.Tensor, feed) -> torch.Tensor:
+    """Prompts + new tokens, from the prompt's ``logits`` [rows, V] and ``feed(tokens, i) -> next logits``."""
+    pick = TokenPicker(d)
+    for i in range(d.prompts.max_new_tokens):
+        tok = pick(i, logits)
+        d.boundary(i)
+        if pick.done(i):
+            break
+        logits = feed(tok, i)
+    return d.result(pick.out[:, : i + 1])
