@@ -24,6 +24,7 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's defaults: on a GPU the defaults are the GPU's")
 def test_no_arguments_on_the_cpu_runs_a_cpu_sized_benchmark_with_a_table():
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)

@@ -148,6 +148,7 @@ def test_a_failed_run_leaves_no_empty_output_folder(capsys, tmp_path):
 # -- Ctrl-C -----------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigint_writes_what_finished_and_exits_130(tiny, tmp_path):
     out_dir = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -193,6 +194,7 @@ def test_sigint_before_anything_finished_leaves_no_folder(capsys, tiny, tmp_path
 # -- figures that mean nothing, and the chat model asked plainly ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_builtin_chat_model_without_template_says_how_to_ask(capsys, tmp_path):
     rc, out, err = run_main(capsys, *FAST, "--prompt", "What is the capital of France?", "--use_kv_cache",
                             "--output_dir", tmp_path)  # fmt: skip
@@ -209,6 +211,7 @@ def test_builtin_chat_model_without_template_says_how_to_ask(capsys, tmp_path):
     assert rc == 0 and not lines(err, "warning:"), err  # asked in its template: it answers
 
 
+@pytest.mark.slow
 def test_gguf_file_path_on_the_command_line(capsys, tmp_path):
     from polyfuse.models.builtin import builtin_model
 
@@ -230,6 +233,7 @@ def test_compile_time_is_said_only_when_something_compiles():
     assert compile_note({}, "hpu", 1, 0) is None  # Gaudi's lazy mode compiles every new graph
 
 
+@pytest.mark.slow
 def test_torch_compile_time_is_the_warm_up_that_compiled(capsys, tiny, tmp_path, monkeypatch):
     """--torch_compile (dynamo's eager backend here: no C compiler needed) reported 6e-06 s with --warmup 0; now the
     warm-up's time where it compiled graphs, n/a with the reason where it did not."""
@@ -314,6 +318,7 @@ def test_small_calibration_text_warns(capsys, tiny, tmp_path):
 # -- progress bars -------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_progress_bars_on_a_terminal_only(capsys, tiny, tmp_path, monkeypatch):
     import polyfuse.cli.generate as cli
     import polyfuse.cli.progress as progress

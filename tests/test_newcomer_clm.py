@@ -91,6 +91,7 @@ def test_resume_from_checkpoint_true_takes_the_last_one(run_clm, capsys, tiny_mo
     assert_one_clm_error(rc, stdout, err, "holds no checkpoint-N folder to resume from")
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_finished_steps_and_exits_130(tiny_model, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
