@@ -564,10 +564,13 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
+    from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
+
+    speculation = prepare_speculation(args, model, tokenizer, device, flags)
     if args.print_backends:
         from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
 
-        print("\n".join(filter(None, [model.kernels.report(), quantization_report(model)])))
+        print("\n".join(filter(None, [model.kernels.report(), quantization_report(model), speculation])))
     runtime = model.runtime
     gen = torch.Generator(device=device if device.type != "hpu" else "cpu").manual_seed(args.seed)
 
@@ -633,6 +636,7 @@ def run(args) -> dict:
         "input": [used[i % len(used)] for i in range(len(prompts))],  # as used: after truncation
         "output": outputs,
         "backends": model.kernels.as_dict(),
+        "speculative": timer.speculative.as_dict() if timer.speculative is not None else None,
         "device": device.type,
         "args": run_arguments(args),
     }
@@ -661,6 +665,11 @@ def print_report(r: dict, args) -> None:
         if v is not None:
             lines.append("{:35} = {} GB".format(k[:-5].replace("_", " ").capitalize(), v))
     lines.append(f"Graph compilation duration          = {r['graph_compilation_duration']} seconds")
+    spec = r.get("speculative")
+    if spec:
+        lines.append(f"Speculative decoding                = {spec['method']}, k={spec['k']}")
+        lines.append(f"Draft acceptance rate               = {spec['acceptance_rate']}")
+        lines.append(f"Mean tokens per verify step         = {spec['tokens_per_step']}")
     sep = "-" * max(len(s) for s in lines)
     print("Stats:\n" + sep + "\n" + "\n".join(lines) + "\n" + sep)
 
