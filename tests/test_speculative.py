@@ -465,3 +465,54 @@ def test_verify_and_draft_steps_through_cuda_graphs(llama, heads, monkeypatch):
     assert steps["StepModule"][0] == [(4, kv), (5, kv)]  # the target: one graph per k
     assert steps["HeadStep"] == [sorted([(1, kv), (5, kv), (ids.shape[1], kv)])]
     assert steps["StepModule"][1] == [(1, kv), (2, kv)]  # the draft model
+
+
+# -- the built-in model (SmolLM2-135M-Instruct, real weights) ------------------------------------------------------
+
+
+PASSAGE = ("The committee met on Tuesday to review the budget. It approved the new library wing, postponed the road "
+           "repairs until spring, and asked the treasurer to publish the figures before the next meeting.")  # fmt: skip
+TASKS = [
+    f"Rewrite this passage in the past perfect tense, keeping every detail: {PASSAGE}",
+    f"Summarise this passage in one sentence: {PASSAGE}",
+    "Rename the variable total to subtotal in this code:\ndef add(xs):\n    total = 0\n    for x in xs:\n"
+    "        total += x\n    return total",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory):
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
+    from polyfuse.models import LlamaForCausalLM
+    from polyfuse.models.builtin import builtin_model
+
+    try:
+        folder, name = builtin_model()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    model = LlamaForCausalLM.from_pretrained(folder, gguf_file=name).eval()
+    draft = LlamaForCausalLM.from_pretrained(folder, gguf_file=name, quant="int8").eval()  # a quantized draft
+    path = write_eagle3(tmp_path_factory.mktemp("eagle3_builtin"), model, seed=1, draft_vocab=4096, std=0.02)
+    return model, draft, load_eagle3(path, model), load_tokenizer(folder, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [1, 4])
+def test_builtin_model_greedy_output_with_each_proposer(builtin, rows):
+    """Input-grounded chat prompts (a rewrite, a summary, a code edit; and a question), batch 1 and batch 4 left
+    padded, EOS on: each proposer gives the tokens of plain greedy decoding."""
+    model, draft, heads, tok = builtin
+    texts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+             for t in TASKS[:rows]]  # fmt: skip
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    assert rows == 1 or not enc.attention_mask.all()
+    kw = dict(max_new_tokens=40, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    want = model.generate(enc.input_ids, enc.attention_mask, **kw)
+    for spec in (dict(prompt_lookup_num_tokens=8), dict(assistant_model=draft, num_assistant_tokens=4),
+                 dict(speculative_model=heads, num_speculative_tokens=3)):  # fmt: skip
+        hooks = Stats()
+        got = model.generate(enc.input_ids, enc.attention_mask, hooks=hooks, **kw, **spec)
+        assert torch.equal(got, want), (spec, tok.batch_decode(got[:, enc.input_ids.shape[1] :]))
+        if "assistant_model" in spec:
+            assert hooks.stats.acceptance_rate > 0.8  # int8 weights of the same model

@@ -59,6 +59,9 @@ def read_tensors(path: str) -> dict:
 
 def eagle3_config(path: str, target, names) -> object:
     """The head's config, checked against ``target``: one-line ValueErrors for heads that cannot draft for it."""
+    missing = [n for n in REQUIRED if n not in names]
+    if missing:
+        raise CheckpointError(f"{path}: not an EAGLE-3 checkpoint (no {', '.join(missing)})")
     raw = dict(read_config_dict(path))
     raw["model_type"] = "llama"  # EAGLE-3 heads are Llama layers whatever the target's family
     config = config_from_dict(transformers.LlamaConfig, raw, f"{path}/config.json")
@@ -73,9 +76,6 @@ def eagle3_config(path: str, target, names) -> object:
                          f"model's has {ours.vocab_size}")  # fmt: skip
     if config.num_hidden_layers != 1:
         raise ValueError(f"EAGLE-3 heads {path} have {config.num_hidden_layers} layers; polyfuse runs one-layer heads")
-    missing = [n for n in REQUIRED if n not in names]
-    if missing:
-        raise CheckpointError(f"{path}: not an EAGLE-3 checkpoint (no {', '.join(missing)})")
     config.eagle_own_embedding = "embed_tokens.weight" in names
     config.eagle_own_head = "lm_head.weight" in names
     config.eagle_fc_bias = "fc.bias" in names
