@@ -385,17 +385,30 @@ def test_sampling_keeps_the_target_distribution(small, name):
     assert min(ps) > 1e-3, ps
 
 
-def test_the_chi_square_test_catches_a_wrong_rule(small, monkeypatch):
-    """The same test on a rule that accepts every draft (the draft model's distribution leaks in) fails."""
+def accept_all(scores, proposal, rule):
+    """Wrong: every draft accepted (the draft's distribution leaks in)."""
+    k = proposal.tokens.shape[1]
+    last = rule.draw(rule.probs(scores[:, -1]))
+    accepted = torch.full((scores.shape[0],), k, dtype=torch.int64)
+    return accepted, torch.cat([proposal.tokens, last[:, None]], dim=1)
+
+
+def correct_from_p(scores, proposal, rule):
+    """Wrong: the right acceptance test, but the token after a rejection drawn from p, not max(0, p - q)."""
+    p, drafts = rule.probs(scores), proposal.tokens
+    rows, k = drafts.shape
+    p_d = p[:, :k].gather(2, drafts[..., None])[..., 0]
+    q_d = proposal.probs.gather(2, drafts[..., None])[..., 0]
+    accepted = (rule.uniform((rows, k), p.device) * q_d < p_d).long().cumprod(1).sum(1)
+    nxt = rule.draw(p[torch.arange(rows), accepted])
+    return accepted, torch.cat([drafts, drafts[:, :1]], dim=1).scatter(1, accepted[:, None], nxt[:, None])
+
+
+@pytest.mark.parametrize("wrong", [accept_all, correct_from_p])
+def test_the_chi_square_test_catches_a_wrong_rule(small, monkeypatch, wrong):
+    """The same test on a wrong rule fails (with another model as the draft: q far from p)."""
     target, _, draft, _ = small
-
-    def accept_all(scores, proposal, rule):
-        k = proposal.tokens.shape[1]
-        last = rule.draw(rule.probs(scores[:, -1]))
-        accepted = torch.full((scores.shape[0],), k, dtype=torch.int64)
-        return accepted, torch.cat([proposal.tokens, last[:, None]], dim=1)
-
-    tokens = sample_tokens(target, dict(assistant_model=draft, num_assistant_tokens=2), accept=accept_all,
+    tokens = sample_tokens(target, dict(assistant_model=draft, num_assistant_tokens=2), accept=wrong,
                            monkeypatch=monkeypatch)  # fmt: skip
     assert min(p_values(target, tokens)) < 1e-6
 

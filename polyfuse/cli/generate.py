@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import json
@@ -321,6 +322,14 @@ def load_cli_tokenizer(args, path: str, gguf: str | None):
     return tokenizer
 
 
+def draft_checkpoint(args, path: str):
+    """--assistant_model PATH as --model_name_or_path is read: (folder, GGUF file or None, its tokenizer or None)."""
+    where = argparse.Namespace(**{**vars(args), "model_name_or_path": path, "gguf_file": None, "tokenizer": None})
+    folder, gguf = resolve_checkpoint(where)
+    has_tokenizer = gguf is not None or any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+    return folder, gguf, load_cli_tokenizer(where, folder, gguf) if has_tokenizer else None
+
+
 def load(args, device, flags):
     from polyfuse.models import AutoModelForCausalLM
 
@@ -566,7 +575,7 @@ def run(args) -> dict:
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
 
-    speculation = prepare_speculation(args, model, tokenizer, device, flags)
+    speculation = prepare_speculation(args, model, tokenizer, device, flags, lambda path: draft_checkpoint(args, path))
     if args.print_backends:
         from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
 

@@ -5,8 +5,6 @@ printed by the CLI); where speculation cannot apply, one ``warning:`` line namin
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import Optional
 
@@ -41,25 +39,22 @@ def _fallback(args, setting) -> Optional[str]:
     return None
 
 
-def _load_draft(args, path: str, model, tokenizer, device, flags):
-    from polyfuse.cli.generate import TOKENIZER_FILES, load_cli_tokenizer, resolve_checkpoint
+def _load_draft(args, path: str, model, tokenizer, device, flags, open_checkpoint):
     from polyfuse.models import AutoModelForCausalLM
 
-    where = argparse.Namespace(**{**vars(args), "model_name_or_path": path, "gguf_file": None, "tokenizer": None})
-    folder, gguf = resolve_checkpoint(where)
-    if gguf is not None or any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        theirs = load_cli_tokenizer(where, folder, gguf)
-        if theirs.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"--assistant_model {path}: its tokenizer differs from the model's (a draft model must "
-                             "share the model's tokenizer)")  # fmt: skip
+    folder, gguf, theirs = open_checkpoint(path)
+    if theirs is not None and theirs.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"--assistant_model {path}: its tokenizer differs from the model's (a draft model must "
+                         "share the model's tokenizer)")  # fmt: skip
     draft = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=model.dtype, device=device, flags=flags,
                                                  overrides=args.ops)  # fmt: skip
     return draft.eval()
 
 
-def prepare_speculation(args, model, tokenizer, device, flags) -> Optional[str]:
-    """Check and load; keep generate()'s arguments on ``args._polyfuse_speculation``. Returns the proposer's line
-    for --print_backends, or None without speculation."""
+def prepare_speculation(args, model, tokenizer, device, flags, open_checkpoint) -> Optional[str]:  # 6: the run's
+    """Check and load; keep generate()'s arguments on ``args._polyfuse_speculation``. ``open_checkpoint(path)``:
+    (folder, GGUF file or None, its tokenizer or None), as the CLI resolves --model_name_or_path. Returns the
+    proposer's line for --print_backends, or None without speculation."""
     args._polyfuse_speculation = {}
     if all(getattr(args, f, None) is None for f in FLAGS):
         return None
@@ -75,7 +70,7 @@ def prepare_speculation(args, model, tokenizer, device, flags) -> Optional[str]:
         kwargs["max_matching_ngram_size"] = setting.ngram
     elif setting.method == "draft":
         path = args.assistant_model or args.speculative_model
-        kwargs["assistant_model"] = _load_draft(args, path, model, tokenizer, device, flags)
+        kwargs["assistant_model"] = _load_draft(args, path, model, tokenizer, device, flags, open_checkpoint)
     else:
         from polyfuse.models import load_eagle3
 
