@@ -197,6 +197,11 @@ def test_model_generate_loads_a_heads_folder(llama, tmp_path):
     ids, mask = batch1()
     assert_same(llama, ids, mask, dict(speculative_model=path), ignore_eos=True)
     assert llama._speculative_models[(path, False)] is not None  # loaded once, kept
+    draft = str(tmp_path / "draft")
+    similar(lambda: tiny("llama", seed=1), 0.004).save_pretrained(draft)
+    hooks = Stats()
+    assert_same(llama, ids, mask, dict(speculative_model=draft, speculative_method="draft", hooks=hooks))
+    assert hooks.stats.method == "draft" and hooks.stats.accepted > 0
 
 
 def test_heads_in_pytorch_bin_load_the_same(llama, tmp_path):

@@ -53,6 +53,8 @@ def test_draft_and_heads_that_do_not_fit_the_model(llama, tmp_path):
     other_vocab = tiny("llama", seed=2, vocab_size=VOCAB + 1, num_hidden_layers=1)
     with pytest.raises(ValueError, match="vocabulary has 129 tokens, the model's 128: a draft model must share"):
         llama.generate(IDS, max_new_tokens=4, assistant_model=other_vocab)
+    with pytest.raises(ValueError, match="assistant_model is the model itself"):
+        llama.generate(IDS, max_new_tokens=4, assistant_model=llama)
     with pytest.raises(ValueError, match="give assistant_model or speculative_model, not both"):
         llama.generate(IDS, max_new_tokens=4, assistant_model=llama, speculative_model=llama)
     narrow = tiny("llama", seed=3, hidden_size=32)

@@ -25,6 +25,8 @@ def check_draft(draft, target) -> None:
     """One-line ValueErrors for a draft model that cannot draft for ``target``."""
     if not callable(getattr(draft, "step", None)) or getattr(draft, "config", None) is None:
         raise ValueError(f"assistant_model must be a polyfuse model (from_pretrained), got {type(draft).__name__}")
+    if draft is target:
+        raise ValueError("assistant_model is the model itself: a draft model must be a second (smaller) model")
     ours, theirs = target.config.vocab_size, draft.config.vocab_size
     if ours != theirs:
         raise ValueError(

@@ -86,7 +86,9 @@ class SpeculativeRun:
         before = emitted.gather(1, (at - 1).clamp(min=0))[:, 0]
         self.prev = torch.where(accepted > 0, before, self.pending)
         self.pending, self.pos = emitted.gather(1, at)[:, 0], self.pos + accepted + 1
-        self.slots.commit(accepted, max((a for a, r in zip(a_host, running) if r), default=0))
+        counts = [a for a, r in zip(a_host, running) if r]
+        most = max(counts, default=0)
+        self.slots.commit(accepted, any(a < most for a in counts), most)
         if self.slots.must_compact(self.k + 1) and not self.outputs.all_done():
             finished = torch.tensor([not r for r in self.outputs.running()], device=accepted.device)
             self.slots.compact(self.caches(), finished)

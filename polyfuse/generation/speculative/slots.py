@@ -43,13 +43,14 @@ class SlotTable:
     def room(self, width: int) -> bool:
         return self.frontier + width <= self.max_len
 
-    def commit(self, accepted: torch.Tensor, most: int) -> None:
-        """Row r keeps slots up to frontier + accepted[r]; the frontier moves past ``most`` + 1 of them."""
+    def commit(self, accepted: torch.Tensor, fewer: bool, most: int) -> None:
+        """Row r keeps slots up to frontier + accepted[r]; the frontier moves past ``most`` + 1 of them. ``fewer``:
+        some running row accepted less than ``most`` (it now has holes; known on the host, so no sync here)."""
         c = self.frontier
-        if most > 0:
+        if most > 0 and accepted.shape[0] > 1:
             span = torch.arange(most + 1, device=accepted.device)
             self.key_mask[:, c : c + most + 1] = span[None] <= accepted[:, None]
-            self.holes = self.holes or bool((accepted < most).any())
+        self.holes = self.holes or fewer
         self.frontier = c + most + 1
 
     def must_compact(self, width: int) -> bool:
