@@ -8,6 +8,8 @@ import os
 import re
 import sys
 
+from polyfuse.cli.speculative_options import add_speculative_options
+
 
 class DefaultSteps(int):
     """--quant_tune_norms / --quant_tune_scales given without STEPS: the library's NORM_STEPS (128; not imported, so
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quant_options(p)
     _gaudi_options(p)
     _output_options(p)
+    add_speculative_options(p)  # polyfuse/cli/speculative_options.py
     return p
 
 

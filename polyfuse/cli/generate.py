@@ -5,6 +5,7 @@ The inputs (cli/inputs.py), the result files (cli/results.py), the Stats (cli/st
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import json
@@ -259,6 +260,14 @@ def load_cli_tokenizer(args, path: str, gguf: str | None):
     return tokenizer
 
 
+def draft_checkpoint(args, path: str):
+    """--assistant_model PATH as --model_name_or_path is read: (folder, GGUF file or None, its tokenizer or None)."""
+    where = argparse.Namespace(**{**vars(args), "model_name_or_path": path, "gguf_file": None, "tokenizer": None})
+    folder, gguf = resolve_checkpoint(where)
+    has_tokenizer = gguf is not None or any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+    return folder, gguf, load_cli_tokenizer(where, folder, gguf) if has_tokenizer else None
+
+
 def load(args, device, flags):
     from polyfuse.models import AutoModelForCausalLM
 
@@ -501,6 +510,7 @@ class Runs:
         self.last = None  # [(rows, ids, out)] per batch of the last finished run
         self.timed: list[list[dict]] = []
         self.warmup_s, self.graphs, self.interrupted = None, None, False
+        self.speculative = None  # the last run's speculative-decoding counts, where it speculated
         self.first_logits = FirstLogits(model)
         self.bars = bars_on(args)
 
@@ -524,6 +534,7 @@ class Runs:
                 use_cache=args.use_kv_cache, hooks=timer, **kw,
             )  # fmt: skip
             timings = timer.timings
+            self.speculative = timer.speculative or self.speculative
             self.first_logits.check(self.model.dtype)
             outs.append((rows, ids, out))
             times.append(dict(first_s=timings["first_token_s"], rest_s=timings["rest_s"], rows=out.shape[0],
@@ -590,6 +601,7 @@ def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
         "input": [used[i] for group in runs.groups for i in group],  # as used: after truncation
         "output": outputs,
         "backends": model.kernels.as_dict(),
+        "speculative": runs.speculative.as_dict() if runs.speculative is not None else None,
         **info,
         "timed_runs": len(runs.timed),
         "interrupted": runs.interrupted,
@@ -622,12 +634,15 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
+    from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
+
+    speculation = prepare_speculation(args, model, tokenizer, device, flags, lambda path: draft_checkpoint(args, path))
     if args.print_backends:
         from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
 
         ops = op_overrides(args)
         print("\n".join(filter(None, [model.kernels.report(), ops and f"op overrides: {ops}",
-                                      quantization_report(model)])))  # fmt: skip
+                                      quantization_report(model), speculation])))  # fmt: skip
     runs = Runs(args, model, tokenizer, texts, row_groups(len(texts), args.batch_size), device)
     runs.go()
     if runs.last is None:

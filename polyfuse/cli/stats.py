@@ -79,5 +79,10 @@ def print_report(r: dict, args) -> None:
     )
     if r.get("ops"):
         lines.append(f"Op overrides                        = {r['ops']}")
+    spec = r.get("speculative")
+    if spec:
+        lines.append(f"Speculative decoding                = {spec['method']}, k={spec['k']}")
+        lines.append(f"Draft acceptance rate               = {spec['acceptance_rate']}")
+        lines.append(f"Mean tokens per verify step         = {spec['tokens_per_step']}")
     sep = "-" * max(len(s) for s in lines)
     print("Stats:\n" + sep + "\n" + "\n".join(lines) + "\n" + sep)
