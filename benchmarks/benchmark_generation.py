@@ -135,7 +135,7 @@ def quant_label(args, batch: int, device) -> str:
     prefill keep float activations)."""
     a8 = (args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1") or (
         args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
-    )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
+    )  # gemv_int4_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
     a8 = a8 and batch == 1 and torch.device(device).type == "cuda"
     head = "" if args.head_format in (None, args.quant) else f":{args.head_format}"
     return args.quant + ("+lm_head" + head if args.quant_lm_head else "") + ("+a8" if a8 else "")

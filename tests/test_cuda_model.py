@@ -130,7 +130,7 @@ def test_graph_replay_matches_eager_exactly(pair):
 def test_pdl_gives_the_same_tokens(pair, monkeypatch, quant):
     """The inference kernels launched with programmatic dependent launch (Hopper and up: each waits for the kernel
     before it) give the tokens of plain stream order, under CUDA graphs, for bf16 weights and through the quantized
-    one-row GEMVs (fp8 / int8: gemv_scaled, int4: gemv_gptq)."""
+    one-row GEMVs (fp8 / int8: gemv_int8_fp8, int4: gemv_int4)."""
     from polyfuse.backends.triton import _pdl
 
     if torch.cuda.get_device_capability() < (9, 0) or not _pdl.TRITON_HAS_PDL:

@@ -1,6 +1,6 @@
 """The opt-in W4A8 one-row int4 GEMV (POLYFUSE_INT4_A8=1): int8 activations in blocks of 32 (polyfuse/ops/act_int8.py)
-written by three kernels (backends/triton/act_int8.py: a plain row, SwiGLU, add + RMSNorm), and the GEMV on integer
-dot products (backends/triton/gemv_gptq_a8.py). The quantized bytes are compared with the torch reference bit for
+written by three kernels (backends/triton/quant/act_int8.py: a plain row, SwiGLU, add + RMSNorm), and the GEMV on integer
+dot products (backends/triton/quant/gemv_int4_a8.py). The quantized bytes are compared with the torch reference bit for
 bit, the GEMV with the float64 product of the dequantized weight and the dequantized activations, and a tiny int4
 model's decode with the native model whose projections see the same quantized activations."""
 
@@ -18,8 +18,8 @@ from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
 
 pytest.importorskip("triton")
 
-from polyfuse.backends.triton import gemv_gptq_a8 as a8  # noqa: E402
-from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
+from polyfuse.backends.triton.quant import gemv_int4_a8 as a8  # noqa: E402
+from polyfuse.backends.triton.quant.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -98,8 +98,8 @@ def test_gemv_against_the_reference(device):
     """Group sizes 32 / 64 / 128 / all of K, K split 1 to 5 ways (partial groups in a split), N not a multiple of
     the column block or a multiple (the unmasked loop), bias, tiles of 1..2 blocks of 32 along K, weights loaded before the PDL wait or not (the same bits):
     within 1e-5 of the largest output of the float64 reference (the integer dot products are exact; the zero-point
-    term cancels a few bits of float32, as in gemv_gptq.py). A zero point off by one moves it 100x past that."""
-    from polyfuse.backends.triton import _qgemv
+    term cancels a few bits of float32, as in gemv_int4.py). A zero point off by one moves it 100x past that."""
+    from polyfuse.backends.triton.quant import gemv_common
 
     gen = torch.Generator().manual_seed(2)
     for n, k, g, tiles in ((40, 1056, 128, (16, 64, 1, 2)), (72, 512, 64, (32, 32, 2, 2)), (16, 384, 32, None),
@@ -114,13 +114,13 @@ def test_gemv_against_the_reference(device):
         want = reference(x, qw, bias)
         for split in (1, 2, 5):
             with torch.inference_mode():
-                got = a8.gemv_gptq_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
-                early = _qgemv.PREFETCH
-                _qgemv.PREFETCH = not early
+                got = a8.gemv_int4_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
+                early = gemv_common.PREFETCH
+                gemv_common.PREFETCH = not early
                 try:
-                    other = a8.gemv_gptq_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
+                    other = a8.gemv_int4_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
                 finally:
-                    _qgemv.PREFETCH = early
+                    gemv_common.PREFETCH = early
             err = (got.double() - want).abs().max().item()
             assert err <= 1e-5 * want.abs().max().item(), (n, k, g, split, err)
             assert torch.equal(got, other), (n, k, split)
@@ -134,7 +134,7 @@ def test_accepts_and_the_dispatch(monkeypatch):
     """Off by default; with it on, one-row int4 linear_q / swiglu_linear_q / add_rms_norm_linear_q (the gemv_q
     implementations) go through the W4A8 kernel and give its numbers; act-order, no group, groups or K not a multiple
     of 32 are declined to the bf16-activation GEMV."""
-    from polyfuse.backends.triton import norm_gemv, quant_gemv
+    from polyfuse.backends.triton.quant import gemv_q, norm_gemv_q
 
     qw = quantized("int4", 48, 256, "cpu")
     x = torch.randn(1, 256)
@@ -153,25 +153,25 @@ def test_accepts_and_the_dispatch(monkeypatch):
         quantize_row(torch.randn(2, 256))
     assert not a8.accepts(x, quantized("int8", 48, 256, "cpu"))
     calls = []
-    real = a8.gemv_gptq_a8
-    monkeypatch.setattr(a8, "gemv_gptq_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = a8.gemv_int4_a8
+    monkeypatch.setattr(a8, "gemv_int4_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
     gate, up = torch.randn(1, 1, 256), torch.randn(1, 1, 256)
     weight, res = torch.rand(256), torch.randn(1, 1, 256)
     with torch.inference_mode():
-        got = quant_gemv.linear_q(x.view(1, 1, 256), qw)
+        got = gemv_q.linear_q(x.view(1, 1, 256), qw)
         assert torch.equal(got.view(1, -1), real(quantize_row(x), qw, x.dtype))
         from polyfuse.backends.triton.swiglu import swiglu_forward
 
-        got = quant_gemv.swiglu_linear_q(gate, up, qw)
+        got = gemv_q.swiglu_linear_q(gate, up, qw)
         assert torch.equal(got.view(1, -1), real(quantize_row(swiglu_forward(gate, up)), qw, x.dtype))
-        out, total = norm_gemv.add_rms_norm_linear_q(x.view(1, 1, 256), res, weight, 1e-6, qw)
+        out, total = norm_gemv_q.add_rms_norm_linear_q(x.view(1, 1, 256), res, weight, 1e-6, qw)
         xw, dx, rs, r = norm_quantize_row(x, res.view(1, 256), weight, 1e-6)
         assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
     assert len(calls) == 3
     with torch.inference_mode():
-        quant_gemv.linear_q(x, act_order(qw))
+        gemv_q.linear_q(x, act_order(qw))
         monkeypatch.setattr(a8, "ENABLED", False)
-        quant_gemv.linear_q(x, qw)
+        gemv_q.linear_q(x, qw)
     assert len(calls) == 3
     assert registry.bound("linear_q", "gemv_q")  # the implementation name the model binds below
 
@@ -189,8 +189,8 @@ def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(
     ids = torch.randint(10, 300, (1, 7), generator=torch.Generator().manual_seed(7))
 
     calls = []
-    real = a8.gemv_gptq_a8
-    monkeypatch.setattr(a8, "gemv_gptq_a8", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    real = a8.gemv_int4_a8
+    monkeypatch.setattr(a8, "gemv_int4_a8", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     runs = {}
     steps = {}
     for name in ("a8", "emulated"):

@@ -56,29 +56,29 @@ REF_IN_FLOAT32_IMPLS = {
     ("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q"),
     ("add_rms_norm_linear_q", "gemv_q"),
 }  # fmt: skip
-# The int4 GEMM for 2..16 rows (gemv_gptq_mma.py: tensor-core products of the packed nibbles, scaled per group in
+# The int4 GEMM for 2..16 rows (gemm_int4_mma.py: tensor-core products of the packed nibbles, scaled per group in
 # float32) does not round the dequantized weight either: the cases it takes (int4 in-order groups, up to 16 rows)
 # take the same reference.
 REF_IN_FLOAT32_INT4 = {("linear_q", "gemm_q")}
 
 
 def _int4_mma_takes(make) -> bool:
-    from polyfuse.backends.triton import gemv_gptq_mma
+    from polyfuse.backends.triton.quant import gemm_int4_mma
 
     (x, qweight, *_), _, _ = make()
-    return qweight.format == "int4" and gemv_gptq_mma.accepts(x.reshape(-1, x.shape[-1]), None, qweight)
+    return qweight.format == "int4" and gemm_int4_mma.accepts(x.reshape(-1, x.shape[-1]), None, qweight)
 
 
 # ... except the SwiGLU GEMV, which rounds silu(gate) * up to the activations' dtype as the unfused path stores it
-# (backends/triton/_qgemv.py load_x) and only then multiplies in float32: its reference does the same (the float32
+# (backends/triton/quant/gemv_common.py load_x) and only then multiplies in float32: its reference does the same (the float32
 # SwiGLU differs from it by one rounding of each of I = 14336 inputs, which moved 1 of 4096 bf16 outputs of the
 # fp8_block case past the bound on the H200 in run 22; a CPU emulation of the kernel's arithmetic showed the same for
 # every format, and none against this reference).
-# The weights the GEMV takes after SwiGLU's own kernel instead (quant_gemv.paired: int4) get that kernel's rounding:
+# The weights the GEMV takes after SwiGLU's own kernel instead (gemv_q.paired: int4) get that kernel's rounding:
 # silu(gate) * up in float32, rounded once (against the twice-rounded native SwiGLU, 29 of 4096 outputs of the int4
 # I = 4096 case were past the bound on the H200, session 14).
 def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
-    from polyfuse.backends.triton.quant_gemv import paired
+    from polyfuse.backends.triton.quant.gemv_q import paired
     from polyfuse.ops.quant_linear import linear_q_native
     from polyfuse.ops.swiglu import swiglu_native
 
@@ -101,7 +101,7 @@ def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
     return torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float()).to(gate.dtype)
 
 
-# add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py) is the norm's kernel, which stores the normalized row in
+# add_rms_norm_linear_q's one-row int4 pair (norm_gemv_q.py) is the norm's kernel, which stores the normalized row in
 # the activations' dtype as the native op does, then that GEMV: the same reference, with the native norm in front
 # (against the wholly native op, 5-7 of 4096 outputs of the K = 14336 int4 cases were past the bound on the H200,
 # session 14: the weight's rounding to the activations' dtype, as for linear_q:gemv_q).
@@ -117,7 +117,7 @@ def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
     return linear_q_native(y.float(), qweight, None if bias is None else bias.float()).to(y.dtype), r
 
 
-# The GGUF one-row GEMVs run on int8 activations (POLYFUSE_GGUF_A8, backends/triton/gemv_gguf_a8.py): their reference
+# The GGUF one-row GEMVs run on int8 activations (POLYFUSE_GGUF_A8, backends/triton/quant/gemv_gguf_a8.py): their reference
 # is the op on the activations the kernel multiplies (quantized in blocks of 32 and back, ops/act_int8.py), in float32
 # and rounded once (SwiGLU's product rounded first, the norm native), where that kernel takes the call.
 def _a8_linear_q(x, qweight, bias=None):
@@ -148,7 +148,7 @@ def _a8_case(op, impl_name, make) -> bool:
     """Whether gemv_q's call (one row) or gemm_q's (2..MAX_ROWS rows) runs a GGUF GEMV on int8 activations."""
     if impl_name not in ("gemv_q", "gemm_q") or op not in A8_REF:
         return False
-    from polyfuse.backends.triton import gemv_gguf_a8
+    from polyfuse.backends.triton.quant import gemv_gguf_a8
 
     args, _, _ = make()
     _, xi, wi = A8_REF[op]

@@ -15,7 +15,7 @@ from polyfuse.backends.triton import _pdl
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = {
-    "gemv": "_gemv_kernel", "gemv_scaled": "_gemv_scaled_kernel", "gemv_gptq": "_gemv_gptq_kernel",
+    "gemv": "_gemv_kernel", "gemv_int8_fp8": "_gemv_scaled_kernel", "gemv_int4": "_gemv_gptq_kernel",
     "gemv_gguf": "_gemv_gguf_kernel", "rms_norm": "_rms_norm_fwd_kernel", "rotary_kv_write": "_rotary_kv_write_kernel",
     "decode_attention": "_decode_kernel", "swiglu": "_swiglu_fwd_kernel",
 }  # fmt: skip

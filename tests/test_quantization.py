@@ -236,14 +236,14 @@ def test_cannot_pack():
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton.gemv_gguf import gemv_gguf
-    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
-    from polyfuse.backends.triton.gemv_kquant import gemv_kquant
-    from polyfuse.backends.triton.gemv_scaled import gemv_scaled
+    from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf
+    from polyfuse.backends.triton.quant.gemv_gguf_kquant import gemv_gguf_kquant
+    from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
+    from polyfuse.backends.triton.quant.gemv_int8_fp8 import gemv_int8_fp8
 
-    kernel = gemv_gptq if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_scaled
+    kernel = gemv_int4 if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_int8_fp8
     kquant = fmt in qf.K_QUANTS or fmt.startswith("random")
-    kernel = gemv_kquant if kquant else kernel
+    kernel = gemv_gguf_kquant if kquant else kernel
     k = 768 if kquant else 544
     # random_*: super-blocks of random bytes (negative and zero d, Q6_K's negative scales), as llama.cpp files hold
     qw = random_gguf("gguf_" + fmt[7:], 40, k, seed=4) if fmt.startswith("random") else quantized(fmt, 40, k, "cpu")
@@ -264,7 +264,7 @@ def test_gemv_paths_against_the_reference(fmt):
         assert rel(kernel(x, up, qw, None, split=split), ref) < bound, split
     if fmt.startswith("fp8"):  # GPUs without fp8 conversions decode the bits by integer arithmetic
         assert torch.equal(
-            gemv_scaled(x, None, qw, None, fp8_bits=True), gemv_scaled(x, None, qw, None, fp8_bits=False)
+            gemv_int8_fp8(x, None, qw, None, fp8_bits=True), gemv_int8_fp8(x, None, qw, None, fp8_bits=False)
         )
 
 
@@ -272,25 +272,29 @@ def test_gemv_tiles_per_projection(monkeypatch):
     """A projection with its own swept tile gets it; another shape the format's; POLYFUSE_QGEMV_TILES's format
     entry (tuning runs) wins over both."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton import _qgemv
+    from polyfuse.backends.triton.quant import gemv_common
 
-    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.SHAPE_TILES[("fp8", 6144, 4096)] != _qgemv.TILES["fp8"]
-    assert ("fp8", 8192, 4096) not in _qgemv.SHAPE_TILES
-    assert _qgemv.tiles_for("fp8", 8192, 4096) == _qgemv.TILES["fp8"]
-    monkeypatch.setattr(_qgemv, "_ENV_FORMATS", {"fp8"})
-    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.TILES["fp8"]
+    assert (
+        gemv_common.tiles_for("fp8", 6144, 4096)
+        == gemv_common.SHAPE_TILES[("fp8", 6144, 4096)]
+        != gemv_common.TILES["fp8"]
+    )
+    assert ("fp8", 8192, 4096) not in gemv_common.SHAPE_TILES
+    assert gemv_common.tiles_for("fp8", 8192, 4096) == gemv_common.TILES["fp8"]
+    monkeypatch.setattr(gemv_common, "_ENV_FORMATS", {"fp8"})
+    assert gemv_common.tiles_for("fp8", 6144, 4096) == gemv_common.TILES["fp8"]
 
 
 def test_gemv_int4_group_sizes():
     """AutoGPTQ group sizes 32 and 64, and one group over all of K (group_size -1: K not a power of two)."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+    from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, 192, generator=gen)
     for g in (32, 64, 192):
         qw = qf.quantize("int4", torch.randn(16, 192, generator=gen), group_size=g)
-        assert rel(gemv_gptq(x, None, qw), x @ qf.dequantize(qw).t()) < 4e-6, g  # the bound: see the test above
+        assert rel(gemv_int4(x, None, qw), x @ qf.dequantize(qw).t()) < 4e-6, g  # the bound: see the test above
 
 
 def test_scaled_mm_is_per_token_fp8_arithmetic():
@@ -349,7 +353,7 @@ def test_triton_fp8_row_quantization_is_torchs():
     from helpers import cpu_scaled_mm_missing
 
     from polyfuse.backends.cuda import scaled_mm as plain
-    from polyfuse.backends.triton import scaled_mm as fused
+    from polyfuse.backends.triton.quant import fp8_scaled_mm as fused
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU's own fp8 cast, or the interpreter
     gen = torch.Generator().manual_seed(11)
@@ -944,8 +948,8 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
     # activations (POLYFUSE_GGUF_A8=0) against the float product.
     pytest.importorskip("triton")
     from benchmarks.harness.act_int8 import int8_activations
-    from polyfuse.backends.triton import gemv_gguf_a8
-    from polyfuse.backends.triton.quant_gemv import linear_q, swiglu_linear_q
+    from polyfuse.backends.triton.quant import gemv_gguf_a8
+    from polyfuse.backends.triton.quant.gemv_q import linear_q, swiglu_linear_q
 
     def rows(q):
         qw = q.quantized_weight()

@@ -1,6 +1,6 @@
 """fp8 weights on NVIDIA's fp8 tensor cores: ``torch._scaled_mm`` with the activations quantized to e4m3 per token
 by plain torch ops (one scale per row: amax / 448; x * (448 / amax) rounded to e4m3), and the weight's per-channel
-scales (row-wise scaling, bfloat16 output). The Triton backend's triton:fp8_scaled_mm (backends/triton/scaled_mm.py)
+scales (row-wise scaling, bfloat16 output). The Triton backend's triton:fp8_scaled_mm (backends/triton/quant/fp8_scaled_mm.py)
 is the same GEMM with the per-token quantization in one kernel, ranked above this one; this is what runs without
 Triton.
 

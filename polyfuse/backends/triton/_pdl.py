@@ -5,11 +5,11 @@ idles while the next grid is launched and its blocks placed. With PDL a kernel i
 stream serialization" attribute: its blocks may be placed while the kernel before it still runs, and each waits
 (``griddepcontrol.wait``) until that kernel has finished and its writes are visible, before touching memory. A kernel
 then lets its own dependents launch (``griddepcontrol.launch_dependents``) once it has passed its wait, so at most one
-grid waits ahead; the norm and SwiGLU kernels before an int4 one-row GEMV (``EARLY``: norm_gemv.py, quant_gemv.py
+grid waits ahead; the norm and SwiGLU kernels before an int4 one-row GEMV (``EARLY``: norm_gemv_q.py, gemv_q.py
 ``PAIRED``) let it launch first and then wait (``launch_then_wait``), so its early weight loads also overlap the kernel
 before them (two grids wait ahead there). Every kernel launched this way waits before its first load of anything a
 kernel before it may write and before its first store, so the order of memory effects is the stream's, as without PDL;
-the one exception is the one-row GEMVs' weights (``_qgemv.prefetch_tiles``: int4 loads its first weight tiles before
+the one exception is the one-row GEMVs' weights (``gemv_common.prefetch_tiles``: int4 loads its first weight tiles before
 the wait, as neither of the two kernels launched just before a GEMV writes its weights; a weight the launcher has just
 copied into dense rows is not loaded early). A kernel launched without the attribute (cuBLAS, torch's) keeps plain
 stream order, and a PDL kernel after it waits for it whole.
@@ -80,7 +80,7 @@ if TRITON_HAS_PDL:
     @triton.jit
     def launch_then_wait(PDL: tl.constexpr):
         """With PDL: let the next kernel launch first, then wait for the one before. For a small kernel followed by a
-        GEMV that loads weights before its own wait (int4, _qgemv.prefetch_tiles): those loads then start while the
+        GEMV that loads weights before its own wait (int4, gemv_common.prefetch_tiles): those loads then start while the
         kernel before this one still runs. Memory order is kept: the next kernel still waits for this one whole."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()

@@ -208,7 +208,7 @@ def probe_norm_scaled_mm(ctx: SelectionContext) -> Optional[str]:
 
 
 def probe_norm_gemv(ctx: SelectionContext) -> Optional[str]:
-    """add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py): the run's Triton norms and its one-row GEMV, or the
+    """add_rms_norm_linear_q's one-row int4 pair (norm_gemv_q.py): the run's Triton norms and its one-row GEMV, or the
     composite where the run set them otherwise."""
     folded = (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "gemv_q"))
     return set_otherwise(ctx, folded) or probe_inference(ctx)
@@ -227,7 +227,7 @@ def probe_swiglu_fold(name: str, base):
 
 
 def _quant(op, name, module, priority, note, attr=None, probe=probe_inference):
-    mod = f"polyfuse.backends.triton.{module}"
+    mod = f"polyfuse.backends.triton.quant.{module}"
     return Implementation(
         op, name, BACKEND, DEVICES, lazy_function(mod, attr or op), priority, probe,
         supports_backward=False, note=note, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_" + op),
@@ -243,25 +243,27 @@ def quant_implementations() -> list[Implementation]:
     Each declines (quietly: declining is the plan) what it does not take; the rest goes to the next choice, in the end
     the native dequantize + matmul (or, for swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the
     same chain). ``add_rms_norm_linear_q`` has two forms: one row of int4, the norm's kernel launching the GEMV
-    first (norm_gemv.py), and the fp8 prefill, the norm's kernel quantizing its rows; the rest goes to the composite
+    first (norm_gemv_q.py), and the fp8 prefill, the norm's kernel quantizing its rows; the rest goes to the composite
     (the run's norm, then its ``linear_q``)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
         fold = probe_swiglu_fold if op == "swiglu_linear_q" else (lambda name, base: base)
-        out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE, probe=fold("gemv_q", probe_inference)))
-        out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE, probe=fold("gemm_q", probe_inference)))
-        out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY,
+        out.append(_quant(op, "gemv_q", "gemv_q", PRIORITY, QUANT_NOTE, probe=fold("gemv_q", probe_inference)))
+        out.append(_quant(op, "gemm_q", "gemm_q", GEMM_PRIORITY, GEMM_NOTE, probe=fold("gemm_q", probe_inference)))
+        out.append(_quant(op, "fp8_scaled_mm", "fp8_scaled_mm", SCALED_MM_PRIORITY,
                           SWIGLU_SCALED_MM_NOTE if op == "swiglu_linear_q" else SCALED_MM_NOTE,
                           probe=fold("fp8_scaled_mm", probe_scaled_mm)))  # fmt: skip
-    out.append(_quant("linear_q", "fp8_block_mm", "block_scaled_mm", BLOCK_MM_PRIORITY, BLOCK_MM_NOTE,
+    out.append(_quant("linear_q", "fp8_block_mm", "fp8_block_mm", BLOCK_MM_PRIORITY, BLOCK_MM_NOTE,
                       probe=probe_block_scaled_mm))  # fmt: skip
     out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
-    out.append(_quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv))
+    out.append(
+        _quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv_q", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv)
+    )
     out.append(
         _quant(
             "add_rms_norm_linear_q",
             "fp8_scaled_mm",
-            "norm_quantize",
+            "norm_fp8_scaled_mm",
             SCALED_MM_PRIORITY,
             NORM_SCALED_MM_NOTE,
             probe=probe_norm_scaled_mm,

@@ -15,7 +15,7 @@ activations' dtype (as the separate SwiGLU kernel stores it) and quantizes it in
 product is never written in bfloat16 and read back (on the 8B shape at 2048 tokens: 58 MB each way per layer).
 
 Takes what ``scaled_mm_refusal`` allows with more than MAX_GEMM_ROWS rows (fewer go to the dequantizing GEMM,
-quant_gemm.py, which reads the fp8 weight directly and keeps the activations in bf16), rows of at most MAX_K
+gemm_q.py, which reads the fp8 weight directly and keeps the activations in bf16), rows of at most MAX_K
 elements (one program holds a row); declines the rest to cuda:scaled_mm (swiglu_linear_q: the composite) and then
 the native reference.
 """
@@ -28,7 +28,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.quant_gemm import MAX_ROWS
+from polyfuse.backends.triton.quant.gemm_q import MAX_ROWS
 from polyfuse.ops.quant_formats import FP8_MAX
 from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
 

@@ -1,5 +1,5 @@
-"""GGUF weights on int8 activations at one row and, through quant_gemm.py, 2..8 rows (``POLYFUSE_GGUF_A8``): the switch, what it takes, the dispatch, and
-the kernel of the 32-weight types Q8_0 / Q4_0 / Q4_1 (the K-quants' kernels are gemv_kquant_a8.py's).
+"""GGUF weights on int8 activations at one row and, through gemm_q.py, 2..8 rows (``POLYFUSE_GGUF_A8``): the switch, what it takes, the dispatch, and
+the kernel of the 32-weight types Q8_0 / Q4_0 / Q4_1 (the K-quants' kernels are gemv_gguf_kquant_a8.py's).
 
 As llama.cpp's CUDA backend (and vLLM's GGUF kernels, which are llama.cpp's) run every GGUF type on q8_1
 activations: the row is quantized to int8 in blocks of 32 in natural order (act_int8.py; ops/act_int8.py has the
@@ -13,7 +13,7 @@ block's dequantized sum): the integer sums exact, the rest float32.
 Q4_1's 20-byte blocks are five aligned words (d and m, then the quants). Q4_0's 18 and Q8_0's 34 bytes put every
 other block 2 bytes off a word boundary, so blocks are read by pairs (9 / 17 words, rows of an even number of blocks):
 the pair's second block's quants are whole words, the first's each the high half of one word and the low half of the
-next. Split-K with the last program adding the partials (_qgemv.store_out).
+next. Split-K with the last program adding the partials (gemv_common.store_out).
 """
 
 import os
@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.act_int8 import takes_row, takes_rows
+from polyfuse.backends.triton.quant.gemv_common import (
     programs_per_sm,
     row_chunks,
     row_tiles,
@@ -31,9 +33,7 @@ from polyfuse.backends.triton._qgemv import (
     split_plan,
     store_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row, takes_rows
-from polyfuse.backends.triton.gemv_kquant_a8 import _dp4a, _fp16_half, gemv_kquant_a8
+from polyfuse.backends.triton.quant.gemv_gguf_kquant_a8 import _dp4a, _fp16_half, gemv_gguf_kquant_a8
 from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_gguf
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 
@@ -116,8 +116,8 @@ def _gemv_gguf_a8_kernel(
     store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
-# Rows of a call that the multi-row launches take (each launch up to _qgemv.ROWS_PER_LAUNCH of them, reading the
-# weight once): more go to quant_gemm.py's other choices (gemm_gguf.py: Q4_0 / Q4_1 up to 64 rows, Q8_0 / Q4_K up to
+# Rows of a call that the multi-row launches take (each launch up to gemv_common.ROWS_PER_LAUNCH of them, reading the
+# weight once): more go to gemm_q.py's other choices (gemm_gguf.py: Q4_0 / Q4_1 up to 64 rows, Q8_0 / Q4_K up to
 # 32; else dequantize + cuBLAS, dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
 MAX_ROWS = int(os.environ.get("POLYFUSE_GGUF_A8_MAX_ROWS", "8"))
 
@@ -139,10 +139,10 @@ def accepts(x: torch.Tensor, qw, up=None) -> bool:
 def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
     """(xw, dx, rs) of one row ([K / 4], [K / 32]) or of M rows ([M, K / 4], [M, K / 32]) in natural order
     (act_int8.py) @ dequantize(qw).T -> [M, N] in ``dtype`` (+ bias), for every GGUF type ``accepts`` takes (the
-    K-quants through gemv_kquant_a8.py). Several rows: each launch takes up to _qgemv.ROWS_PER_LAUNCH of them against
+    K-quants through gemv_gguf_kquant_a8.py). Several rows: each launch takes up to gemv_common.ROWS_PER_LAUNCH of them against
     the tile's weight rows, K not split."""
     if qw.format in K_QUANTS:
-        return gemv_kquant_a8(xq, qw, dtype, bias, tiles, split)
+        return gemv_gguf_kquant_a8(xq, qw, dtype, bias, tiles, split)
     xw, dx, rs = xq
     n, k = qw.shape
     fmt_code, words, pairs = LAYOUT[qw.format]

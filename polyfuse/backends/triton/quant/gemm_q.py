@@ -1,13 +1,13 @@
 """The Triton dequantizing GEMM as ``linear_q`` / ``swiglu_linear_q`` for a few rows (batch decode): int4
-(gemm_gptq.py; 2..16 rows with in-order groups: gemv_gptq_mma.py, the packed nibbles as tensor-core operands), int8
-and fp8 per channel (gemm_scaled.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
+(gemm_int4.py; 2..16 rows with in-order groups: gemm_int4_mma.py, the packed nibbles as tensor-core operands), int8
+and fp8 per channel (gemm_int8_fp8.py) weights, dequantized in the loads, SwiGLU folded into the activation loads.
 GGUF types kept as stored: 2..gemv_gguf_a8.MAX_ROWS (8) rows with the int8-activation path on (POLYFUSE_GGUF_A8): the
 rows quantized to int8 in blocks of 32 (SwiGLU in that kernel), then the GGUF GEMV with every launch reading the
-weight once for up to 8 rows (gemv_gguf_a8.py / gemv_kquant_a8.py), as llama.cpp's mul_mat_vec_q for a few columns;
+weight once for up to 8 rows (gemv_gguf_a8.py / gemv_gguf_kquant_a8.py), as llama.cpp's mul_mat_vec_q for a few columns;
 more rows (or the path off), up to GGUF_GEMM's rows for Q4_0 / Q4_1 (64), Q8_0 / Q4_K (32): gemm_gguf.py, the
 blocks dequantized in the loads and multiplied on the tensor cores.
 
-It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (quant_gemv.py, ranked above), more rows than MAX_ROWS
+It takes MIN_ROWS .. MAX_ROWS rows; one row is the GEMV's (gemv_q.py, ranked above), more rows than MAX_ROWS
 (prefill), other formats, other dtypes and calls that need gradients are declined to the registry's next choice
 (for linear_q: dequant_mm.py, one dequantize kernel + cuBLAS, for int4 / int8; triton:fp8_scaled_mm, then
 cuda:scaled_mm, for fp8; then the native reference; for swiglu_linear_q: triton:fp8_scaled_mm for fp8, then the
@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from polyfuse.backends.triton import gemv_gguf_a8
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.quant_gemv import kernel_refusal
+from polyfuse.backends.triton.quant import gemv_gguf_a8
+from polyfuse.backends.triton.quant.gemv_q import kernel_refusal
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -75,19 +75,19 @@ def _gemm(x, up, qweight, bias):
     k = qweight.shape[1]
     if qweight.format in GGUF_BYTES:
         if gemv_gguf_a8.accepts_rows(x, qweight, up):  # rows quantized to int8 (SwiGLU first), the multi-row GEMV
-            from polyfuse.backends.triton.act_int8 import quantize_rows
+            from polyfuse.backends.triton.quant.act_int8 import quantize_rows
 
             xq = quantize_rows(rows(x, k), None if up is None else rows(up, k), natural=True)
             return gemv_gguf_a8.gemv_gguf_a8(xq, qweight, x.dtype, bias)
-        from polyfuse.backends.triton.gemm_gguf import gemm_gguf as kernel
+        from polyfuse.backends.triton.quant.gemm_gguf import gemm_gguf as kernel
     elif qweight.format == "int4":
-        from polyfuse.backends.triton import gemv_gptq_mma
+        from polyfuse.backends.triton.quant import gemm_int4_mma
 
-        if gemv_gptq_mma.accepts(x, up, qweight):  # up to 16 rows: the tensor-core GEMV
-            return gemv_gptq_mma.gemv_gptq_mma(rows(x, k), qweight, bias)
-        from polyfuse.backends.triton.gemm_gptq import gemm_gptq as kernel
+        if gemm_int4_mma.accepts(x, up, qweight):  # up to 16 rows: the tensor-core GEMV
+            return gemm_int4_mma.gemm_int4_mma(rows(x, k), qweight, bias)
+        from polyfuse.backends.triton.quant.gemm_int4 import gemm_int4 as kernel
     else:
-        from polyfuse.backends.triton.gemm_scaled import gemm_scaled as kernel
+        from polyfuse.backends.triton.quant.gemm_int8_fp8 import gemm_int8_fp8 as kernel
     return kernel(rows(x, k), None if up is None else rows(up, k), qweight, bias)
 
 

@@ -3,7 +3,7 @@
 Opt-in (``POLYFUSE_INT4_A8=1``, read at import; a module attribute, so benchmarks can switch it): the activations are
 quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py: the arithmetic and what it costs; act_int8.py here: the
 kernels that write them, fused into the norm or SwiGLU before the projection), as llama.cpp's GPU kernels do for its
-4-bit types. The one-row int4 GEMV with bf16 activations (gemv_gptq.py) spends about four instructions per weight (a
+4-bit types. The one-row int4 GEMV with bf16 activations (gemv_int4.py) spends about four instructions per weight (a
 byte permute and an FMA, the activation loads); here a block of 32 weights (four words) costs eight masks and eight
 ``dp4a`` (each word's even nibbles, masked in place, against the bytes of x_0, x_2, x_4, x_6; its odd ones, masked
 in place as 16 q, against x_1, .., x_7; two int32 chains over the block), one multiply-add joining the chains, then
@@ -13,8 +13,8 @@ instructions per weight (the compiled sm_90 loop, with the pipeline's copies and
 A group's s (sum q x' - z sum x') with x' = q_x d: the tile's [BLOCK_K8 / 4, BLOCK_N] float32 accumulator takes
 s d (sum q q_x) per block and column; the zero term once per group and column after the loop, from the blocks'
 d sum q_x (RS). Tiles hold whole blocks and lie in one group (8 BLOCK_K8 divides the group size); act-order
-checkpoints are declined (gemv_gptq.py takes them). Split-K, the early weight tiles and the PDL wait as in
-gemv_gptq.py.
+checkpoints are declined (gemv_int4.py takes them). Split-K, the early weight tiles and the PDL wait as in
+gemv_int4.py.
 """
 
 import torch
@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.act_int8 import takes_row
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
     int4_tail_unroll,
     int4_zero_scale,
@@ -34,8 +36,6 @@ from polyfuse.backends.triton._qgemv import (
     tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row
 from polyfuse.ops.act_int8 import REQUESTED, takes
 
 
@@ -197,7 +197,7 @@ def _plan(shape, group_size: int, tiles=None):
     return block_n, block_k8, num_warps, num_stages
 
 
-def gemv_gptq_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+def gemv_int4_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
     """(xw, dx, rs) of one row (act_int8.py) @ dequantize(qw).T -> [1, N] in ``dtype`` (+ bias)."""
     xw, dx, rs = xq
     n, k = qw.shape

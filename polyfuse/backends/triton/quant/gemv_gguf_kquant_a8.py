@@ -3,7 +3,7 @@
 Reached through gemv_gguf_a8.py (the switch ``POLYFUSE_GGUF_A8`` and what it takes), as llama.cpp's CUDA backend
 runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
 (polyfuse/ops/act_int8.py has the arithmetic; act_int8.py here writes it in natural order), and a K-quant sub-block of
-32 weights lines up with one such block. gemv_kquant.py converts every weight to float and multiplies it with a float
+32 weights lines up with one such block. gemv_gguf_kquant.py converts every weight to float and multiplies it with a float
 activation (about 1.1 TB/s of packed bytes on the H200, slower than bf16 cuBLAS); here one 32-bit word of quant bytes
 holds four consecutive weights in its low nibbles (sub-block 2 j) and four in its high ones (2 j + 1, 32 further on):
 two masks, two ``dp4a`` against two activation words. Q5_K ors its fifth bits (bit 2 j and 2 j + 1 of each qh byte,
@@ -13,7 +13,7 @@ below: 6-bit values minus 32, one int8 scale per 16) builds each word of four 6-
 
 Per sub-block: (d sc) d_x sum q q_x - (dmin m) d_x sum q_x, the last factor the block's RS (act_int8.py): the
 integer sums are exact, the rest float32. Each super-block's header is read as four words and its 16 scales and mins
-decoded in registers (gemv_kquant.py loads six scale bytes per run); split-K with the last program adding the partials (_qgemv.store_out).
+decoded in registers (gemv_gguf_kquant.py loads six scale bytes per run); split-K with the last program adding the partials (gemv_common.store_out).
 """
 
 import torch
@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemv_common import (
     programs_per_sm,
     row_chunks,
     row_tiles,
@@ -29,7 +30,6 @@ from polyfuse.backends.triton._qgemv import (
     split_plan,
     store_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -204,7 +204,7 @@ def _gemv_q6k_a8_kernel(
     store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
-def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+def gemv_gguf_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
     """(xw, dx, rs) of one row or of M rows in natural order (act_int8.py) @ dequantize(qw).T -> [M, N] in
     ``dtype`` (+ bias); several rows as gemv_gguf_a8.py launches them."""
     xw, dx, rs = xq

@@ -10,7 +10,7 @@ pipelined by Triton and kept one tile per warp in flight, which left the H200's 
 fp8 converts through the GPU's conversion (or bit arithmetic where it has none: FP8_BITS); int8 without the int ->
 float conversion (a quarter-rate instruction): the byte, offset to unsigned, OR-ed into the mantissa of 2^23 and
 bit-cast, minus 2^23 + 128, is the integer exactly. SWIGLU folds silu(gate) * up into the activation load. SPLIT > 1
-splits K over programs whose partial sums the last one adds (_qgemv.store_out). Inference only.
+splits K over programs whose partial sums the last one adds (gemv_common.store_out). Inference only.
 """
 
 import torch
@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
     e4m3_to_f32,
     load_x,
@@ -32,7 +33,6 @@ from polyfuse.backends.triton._qgemv import (
     tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def _gemv_scaled_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # PRE (0..2) tiles of weights loaded before the PDL wait, as in gemv_gptq.py: they stream while the kernel
+    # PRE (0..2) tiles of weights loaded before the PDL wait, as in gemv_int4.py: they stream while the kernel
     # before this one still runs, and are summed after it in the loop's order (a tile wholly past the split's end
     # reads no scale: its block may lie past the row's last)
     ka = k_start + kk
@@ -135,7 +135,7 @@ def _gemv_scaled_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
-def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
+def gemv_int8_fp8(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
     block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format, n, k)

@@ -14,7 +14,7 @@ s (sum q x - z sum x) = 8 s t - (16 + z) s sum x: the tile's t is scaled by its 
 taken once per group and column after the loop, from the group's activation sum over the program's K range. The
 K loop is software-pipelined (``tl.range(num_stages=STAGES)``; Triton does not pipeline a plain loop whose loads
 feed no tl.dot). Act-order checkpoints (ACT_ORDER: any g_idx) gather scale and zero per weight. SWIGLU folds silu(gate) * up into the activation load; SPLIT > 1 splits K over
-programs whose partial sums the last one adds (_qgemv.store_out).
+programs whose partial sums the last one adds (gemv_common.store_out).
 """
 
 import functools
@@ -23,9 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton import _qgemv
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant import gemv_common
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
     int4_group_term,
     int4_tail_unroll,
@@ -38,7 +39,6 @@ from polyfuse.backends.triton._qgemv import (
     tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
 
 
 @triton.jit
@@ -211,10 +211,10 @@ def loads_early(qw) -> bool:
     asked on every decode call of those ops, so answered once per weight shape and layout (``prefetch``, the
     switch prefetch_tiles reads, keys it too)."""
     dense = dense_rows(qw.qweight) is qw.qweight
-    return _loads_early(tuple(qw.shape), qw.group_size, bool(qw.act_order), dense, _qgemv.PREFETCH)
+    return _loads_early(tuple(qw.shape), qw.group_size, bool(qw.act_order), dense, gemv_common.PREFETCH)
 
 
-def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
+def gemv_int4(x, up, qw, bias=None, tiles=None, split=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
     block_n, block_k8, num_warps, num_stages, act_order = _plan(qw.shape, qw.group_size, bool(qw.act_order), tiles)

@@ -1,4 +1,4 @@
-"""Shared pieces of the quantized one-row GEMVs (gemv_scaled.py, gemv_gptq.py, gemv_gguf.py, gemv_kquant.py): the
+"""Shared pieces of the quantized one-row GEMVs (gemv_int8_fp8.py, gemv_int4.py, gemv_gguf.py, gemv_gguf_kquant.py): the
 activation load
 with SwiGLU folded in, the fp8 bit decoding for GPUs without fp8 conversions, tile choice and split-K launch."""
 
@@ -40,7 +40,7 @@ def e4m3_to_f32(bits):
 @triton.jit
 def int4_group_term(S, QZ, g, n, n_mask, zshift, ss_g, sz_g):
     """(16 + z) s per column n of int4 group g (s its scale, z AutoGPTQ's stored zero plus one): both int4 kernels
-    sum an offset form of q per tile (gemv_gptq.py 2 + q / 8, gemv_gptq_mma.py 1 + q / 16), scaled so that the
+    sum an offset form of q per tile (gemv_int4.py 2 + q / 8, gemm_int4_mma.py 1 + q / 16), scaled so that the
     group's s (sum q x - z sum x) is that sum minus this term times the group's activation sum."""
     z, s = int4_zero_scale(S, QZ, g, n, n_mask, zshift, ss_g, sz_g)
     return (16.0 + z) * s
@@ -161,13 +161,13 @@ TILES = {
     "fp8_block": (16, 128, 4, 3),
     "int4": (512, 64, 4, 3),
     "int4_mma": (256, 128, 4, 3),
-    "int4_a8": (256, 64, 2, 2),  # gemv_gptq_a8.py (POLYFUSE_INT4_A8=1): the best on every 8B projection (session 17)
+    "int4_a8": (256, 64, 2, 2),  # gemv_int4_a8.py (POLYFUSE_INT4_A8=1): the best on every 8B projection (session 17)
     "gguf_q8_0": (8, 256, 4, 3),
     "gguf_q4_0": (8, 256, 4, 3),
     "gguf_q4_1": (8, 256, 4, 3),
-    "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_kquant.py; session 16)
+    "gguf_q4_k": (4, 512, 1, 3),  # block_k: 256 per super-block a step holds (gemv_gguf_kquant.py; session 16)
     "gguf_q5_k": (1, 1024, 1, 3),  # session 18: 8B per layer 183 -> 133 us against Q4_K's tile
-    # gemv_kquant_a8.py / gemv_gguf_a8.py, swept on the 8B projections (session 19: one row per program, 1-2 warps,
+    # gemv_gguf_kquant_a8.py / gemv_gguf_a8.py, swept on the 8B projections (session 19: one row per program, 1-2 warps,
     # 32-64 blocks a step won every projection, Q4_K / Q5_K at 8B and 70B too; a program per row fills the GPU, so K
     # is not split)
     "gguf_q4_k_a8": (1, 2048, 1, 3),
@@ -238,7 +238,7 @@ SHAPE_TILES = {
     ("int4", 8192, 8192): (128, 64, 1, 2),
     ("int4", 57344, 8192): (512, 16, 1, 2),
     ("int4", 8192, 28672): (128, 64, 1, 2),
-    # the W4A8 GEMV (gemv_gptq_a8.py, POLYFUSE_INT4_A8=1), session 17's sweep with its blocks of 32 (one H200, us
+    # the W4A8 GEMV (gemv_int4_a8.py, POLYFUSE_INT4_A8=1), session 17's sweep with its blocks of 32 (one H200, us
     # per call in a graph of calls, against the bf16-activation int4 GEMV's): 8B qkv 7.60 vs 9.53, o 6.60 vs 7.18,
     # gate/up 18.89 vs 26.19, down 14.03 vs 16.19, LM head 70.07 vs 85.68; Llama-2-70B qkv 15.74 vs 20.78, o 14.75
     # vs 15.77, gate/up 65.79 vs 83.19, down 37.43 vs 47.96 (70B decode 81.5 tok/s with these, 75.0 with the first
@@ -265,7 +265,7 @@ SHAPE_TILES = {
 # faster (one H200, session 11's sweeps of the split): the CUDA-core int4 GEMV at the 4 warps it runs is short of
 # warps in flight with two (Nsight Compute: 12% achieved occupancy on the 8B gate/up), so more, shorter splits keep
 # more loads in flight: 8B gate/up 30.2 us at 4 (37.9 at 2), LM head 99.3 at 8 (138.8 at 2, 512 x 64), 70B gate/up
-# 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemv_gptq_mma.py, 16 rows, plane-major activations, with the tiles
+# 94.2 at 8 (117.5 at 2, 2048 x 16). int4_mma (gemm_int4_mma.py, 16 rows, plane-major activations, with the tiles
 # above): 8B qkv 15.64 us, down 29.34, LM head 124.44; 70B qkv 34.82, o 30.66, gate/up 113.96, down 76.14. int8 /
 # fp8: no split beat the default. int4 since session 12: swept with SHAPE_TILES (above), which replaces these. An
 # entry applies whatever tile a call runs (POLYFUSE_QGEMV_TILES or a sweep's), though it was measured with its own.
@@ -319,7 +319,7 @@ def tiles_for(fmt: str, n: int, k: int) -> tuple:
     return SHAPE_TILES.get((fmt, n, k), TILES[fmt])
 
 
-# The multi-row GGUF GEMVs (gemv_gguf_a8.py, gemv_kquant_a8.py): activation rows per launch (llama.cpp's
+# The multi-row GGUF GEMVs (gemv_gguf_a8.py, gemv_gguf_kquant_a8.py): activation rows per launch (llama.cpp's
 # mul_mat_vec_q takes up to 8 columns too), and their tiles per (format, rows per launch padded to a power of 2; a
 # call's launches all take its first launch's tile), else the format's one-row tile. Session 21 (one H200): 12 tiles (2-8 weight rows a program, 512 / 1024 weights a
 # step, 2 / 4 warps) swept at 2, 4, 8 and 16 rows on the four 8B projections; the least summed over them. 16 rows in

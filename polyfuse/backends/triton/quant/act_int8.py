@@ -1,7 +1,7 @@
 """One row of activations quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py has the arithmetic), in the
-layout the W4A8 GEMV reads. For AutoGPTQ's int4 (gemv_gptq_a8.py), for word row r (values 8r .. 8r + 7) XW[2r] holds
+layout the W4A8 GEMV reads. For AutoGPTQ's int4 (gemv_int4_a8.py), for word row r (values 8r .. 8r + 7) XW[2r] holds
 the bytes of values 8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and
-the odd nibbles of an int4 word, lined up for two integer dot products); for the GGUF K-quants (gemv_kquant_a8.py,
+the odd nibbles of an int4 word, lined up for two integer dot products); for the GGUF K-quants (gemv_gguf_kquant_a8.py,
 ``natural``) XW[i] holds values 4i .. 4i + 3 in order, as their quant bytes hold consecutive weights. For block b (values 32b .. 32b + 31) DX[b] holds the scale d and
 RS[b] = d * sum q (the block's dequantized sum, for the weights' zero points).
 

@@ -1,8 +1,8 @@
 """The Triton implementations of ``linear_q`` / ``swiglu_linear_q``: a one-row GEMV that reads the packed weight and
 dequantizes in its loads (for ``swiglu_linear_q`` with SwiGLU folded into the activation loads, or for the PAIRED
-formats SwiGLU's own kernel launched to let the GEMV start first), one kernel per layout (gemv_scaled.py: int8 / fp8 /
-fp8_block; gemv_gptq.py: int4, or gemv_gptq_a8.py on int8 activations with POLYFUSE_INT4_A8=1; gemv_gguf.py: GGUF
-Q8_0 / Q4_0 / Q4_1; gemv_kquant.py: GGUF Q4_K / Q5_K / Q6_K; or gemv_gguf_a8.py on int8 activations for every
+formats SwiGLU's own kernel launched to let the GEMV start first), one kernel per layout (gemv_int8_fp8.py: int8 / fp8 /
+fp8_block; gemv_int4.py: int4, or gemv_int4_a8.py on int8 activations with POLYFUSE_INT4_A8=1; gemv_gguf.py: GGUF
+Q8_0 / Q4_0 / Q4_1; gemv_gguf_kquant.py: GGUF Q4_K / Q5_K / Q6_K; or gemv_gguf_a8.py on int8 activations for every
 GGUF type unless POLYFUSE_GGUF_A8=0). Anything else (more than one row, a format
 without a kernel, gradients) is declined to the registry's next choice (the native reference: dequantize +
 ``F.linear``, i.e. cuBLAS on a GPU)."""
@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from polyfuse.backends.triton import gemv_gguf_a8, gemv_gptq_a8
+from polyfuse.backends.triton.quant import gemv_gguf_a8, gemv_int4_a8
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 
 
@@ -21,7 +21,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def kernel_refusal(x: torch.Tensor, qweight, bias, formats, kernel: str) -> Optional[str]:
-    """What every quantized Triton kernel (this GEMV, quant_gemm.py's GEMM) declines: a format it has no kernel
+    """What every quantized Triton kernel (this GEMV, gemm_q.py's GEMM) declines: a format it has no kernel
     for, another activation dtype, a call that needs gradients (inference only)."""
     if qweight.format not in formats:
         return f"no {kernel} for format {qweight.format}"
@@ -51,9 +51,9 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
 NO_FOLD = ("int4", "int8", "fp8")
 
 
-# Formats whose one-row GEMV loads weights before its PDL wait (_qgemv.prefetch_tiles): their swiglu_linear_q runs
+# Formats whose one-row GEMV loads weights before its PDL wait (gemv_common.prefetch_tiles): their swiglu_linear_q runs
 # the SwiGLU kernel, which lets the GEMV launch before it waits (_pdl.launch_then_wait), then the GEMV, rather than
-# the fold (norm_gemv.py has the measurements; the norm before q/k/v and gate/up does the same there). Only where the
+# the fold (norm_gemv_q.py has the measurements; the norm before q/k/v and gate/up does the same there). Only where the
 # launch really loads early (``paired``): not act-order int4 nor with POLYFUSE_GEMV_PREFETCH=0.
 PAIRED = ("int4",)
 
@@ -62,7 +62,7 @@ def paired(qweight) -> bool:
     """Whether the one-row GEMV on ``qweight`` is launched after a kernel that lets it launch first."""
     if qweight.format not in PAIRED:
         return False
-    from polyfuse.backends.triton.gemv_gptq import loads_early
+    from polyfuse.backends.triton.quant.gemv_int4 import loads_early
 
     return loads_early(qweight)
 
@@ -82,24 +82,24 @@ def _row(t: torch.Tensor) -> torch.Tensor:
 
 def _gemv(x, up, qweight, bias):
     fmt = qweight.format
-    if fmt == "int4" and gemv_gptq_a8.accepts(x, qweight, up):  # POLYFUSE_INT4_A8=1: int8 activations, then W4A8
-        from polyfuse.backends.triton.act_int8 import quantize_row
+    if fmt == "int4" and gemv_int4_a8.accepts(x, qweight, up):  # POLYFUSE_INT4_A8=1: int8 activations, then W4A8
+        from polyfuse.backends.triton.quant.act_int8 import quantize_row
 
         xq = quantize_row(_row(x), None if up is None else _row(up))
-        return gemv_gptq_a8.gemv_gptq_a8(xq, qweight, x.dtype, bias)
+        return gemv_int4_a8.gemv_int4_a8(xq, qweight, x.dtype, bias)
     if gemv_gguf_a8.accepts(x, qweight, up):  # GGUF on int8 activations (unless POLYFUSE_GGUF_A8=0)
-        from polyfuse.backends.triton.act_int8 import quantize_row
+        from polyfuse.backends.triton.quant.act_int8 import quantize_row
 
         xq = quantize_row(_row(x), None if up is None else _row(up), natural=True)
         return gemv_gguf_a8.gemv_gguf_a8(xq, qweight, x.dtype, bias)
     if fmt in SCALED:
-        from polyfuse.backends.triton.gemv_scaled import gemv_scaled as kernel
+        from polyfuse.backends.triton.quant.gemv_int8_fp8 import gemv_int8_fp8 as kernel
     elif fmt == "int4":
-        from polyfuse.backends.triton.gemv_gptq import gemv_gptq as kernel
+        from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4 as kernel
     elif fmt in K_QUANTS:
-        from polyfuse.backends.triton.gemv_kquant import gemv_kquant as kernel
+        from polyfuse.backends.triton.quant.gemv_gguf_kquant import gemv_gguf_kquant as kernel
     else:
-        from polyfuse.backends.triton.gemv_gguf import gemv_gguf as kernel
+        from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf as kernel
     return kernel(_row(x), None if up is None else _row(up), qweight, bias)
 
 
@@ -108,7 +108,7 @@ def linear_q(x, qweight, bias=None):
 
 
 def swiglu_linear_q(gate, up, qweight, bias=None):
-    if paired(qweight) and not gemv_gptq_a8.accepts(gate, qweight, up):  # (W4A8 quantizes after SwiGLU in one kernel)
+    if paired(qweight) and not gemv_int4_a8.accepts(gate, qweight, up):  # (W4A8 quantizes after SwiGLU in one kernel)
         # the SwiGLU kernel launching the GEMV first, then the GEMV: the composite's bits
         from polyfuse.backends.triton.swiglu import swiglu_forward
 

@@ -8,14 +8,14 @@ packed weight byte is read once per call) and walks its share of K in BLOCK_K st
 act-order g_idx: gathered per weight), dequantized in registers to float32, rounded to the activations' dtype, then
 a tensor-core tl.dot with the activation tile, accumulated in float32. SWIGLU folds silu(gate) * up into the
 activation loads (the down projection). SPLIT > 1 splits K over programs; the tile's last program adds the float32
-partials (_qgemm.store_tile), so a call is one launch. Inference only.
+partials (gemm_common.store_tile), so a call is one launch. Inference only.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import (
+from polyfuse.backends.triton.quant.gemm_common import (
     RESHAPE,
     UPCAST_ALWAYS,
     dot_acc,
@@ -25,7 +25,7 @@ from polyfuse.backends.triton._qgemm import (
     store_tile,
     tiles_for,
 )
-from polyfuse.backends.triton._qgemv import counters, dense_rows, workspace
+from polyfuse.backends.triton.quant.gemv_common import counters, dense_rows, workspace
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def int4_block_k(qw, block_k: int) -> tuple[int, bool]:
     return block_k, gather
 
 
-def gemm_gptq(x, up, qw, bias=None, tiles=None, split=None, reshape=None):
+def gemm_int4(x, up, qw, bias=None, tiles=None, split=None, reshape=None):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
     dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m."""
     n, k = qw.shape

@@ -13,7 +13,7 @@ runs of consecutive bytes, summing q x over each run and applying the run's scal
   bits 2 (c // 32) and 2 (c // 32) + 4 of qh byte 32 h + c % 32; a run of 16 shares one int8 scale.
 
 SWIGLU folds silu(gate) * up into the activation loads; SPLIT > 1 splits the super-blocks over programs whose
-partial sums the last one adds (_qgemv.store_out).
+partial sums the last one adds (gemv_common.store_out).
 """
 
 import torch
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import load_x, split_buffers, split_plan, store_out, tiles_for
+from polyfuse.backends.triton.quant.gemv_common import load_x, split_buffers, split_plan, store_out, tiles_for
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -131,7 +131,7 @@ def _gemv_kquant_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(tl.sum(acc, axis=2), axis=1), HAS_BIAS, SPLIT)
 
 
-def gemv_kquant(x, up, qw, bias=None, tiles=None, split=None):
+def gemv_gguf_kquant(x, up, qw, bias=None, tiles=None, split=None):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
     block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format, n, k)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.scaled_mm import _store_quantized_rows, accepts_linear_q, launch_quantizing
+from polyfuse.backends.triton.quant.fp8_scaled_mm import _store_quantized_rows, accepts_linear_q, launch_quantizing
 from polyfuse.ops.quant_linear import scaled_mm_rows
 
 

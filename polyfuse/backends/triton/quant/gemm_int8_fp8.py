@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import (
+from polyfuse.backends.triton.quant.gemm_common import (
     BYTE_KINDS,
     UPCAST_ALWAYS,
     byte_tile,
@@ -24,7 +24,7 @@ from polyfuse.backends.triton._qgemm import (
     store_tile,
     tiles_for,
 )
-from polyfuse.backends.triton._qgemv import counters, dense_rows, no_fp8_cvt, workspace
+from polyfuse.backends.triton.quant.gemv_common import counters, dense_rows, no_fp8_cvt, workspace
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _gemm_scaled_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
-def gemm_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
+def gemm_int8_fp8(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
     dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m; ``fp8_bits``
     decodes fp8 by integer arithmetic (default: on GPUs without fp8 conversions, before sm89)."""

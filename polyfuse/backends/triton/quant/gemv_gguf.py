@@ -6,7 +6,7 @@ Half-word h of the quants holds, for Q8_0, weights 2h and 2h + 1 (one signed byt
 holds weight j (low nibble) and j + 16 (high), so the half-word's four nibbles are weights 2h, 2h + 16, 2h + 1,
 2h + 17. Per block: Q8_0 d * sum(q x); Q4_0 d * (sum(q x) - 8 sum(x)); Q4_1 d * sum(q x) + m * sum(x).
 Each program owns BLOCK_N rows and walks K in BLOCK_B blocks; SWIGLU folds silu(gate) * up into the activation
-loads; SPLIT > 1 splits the blocks over programs whose partial sums the last one adds (_qgemv.store_out).
+loads; SPLIT > 1 splits the blocks over programs whose partial sums the last one adds (gemv_common.store_out).
 """
 
 import torch
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_plan, store_out
+from polyfuse.backends.triton.quant.gemv_common import TILES, load_x, split_buffers, split_plan, store_out
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 

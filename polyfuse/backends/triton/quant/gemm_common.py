@@ -1,4 +1,4 @@
-"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_scaled.py: int8 and fp8) and of the
+"""Shared pieces of the dequantizing GEMMs (gemm_int4.py: int4, gemm_int8_fp8.py: int8 and fp8) and of the
 dequantize kernel (dequant_mm.py): the weight tile dequantized in registers exactly as the reference does it
 (float32, then one rounding to the activations' dtype), the activation tile with SwiGLU folded in, the tile product,
 the split-K epilogue, the default tiles and the split choice.
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemv import e4m3_to_f32
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
+from polyfuse.backends.triton.quant.gemv_common import e4m3_to_f32
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def int4_tile(QW, QZ, S, GI, k0, k_end, n, n_mask, g_tile, sq_k, sz_g, ss_g,
         words = tl.load(QW + (k // 8)[:, None] * sq_k + n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0)
         q = (words >> ((k % 8) * 4)[:, None]) & 15
     # q as a float without the int -> float conversion (a quarter-rate instruction): its bits OR-ed into the mantissa
-    # of 2^23 and bit-cast give 2^23 + q; minus (2^23 + z) gives q - z exactly (as gemv_gptq.py does).
+    # of 2^23 and bit-cast give 2^23 + q; minus (2^23 + z) gives q - z exactly (as gemv_int4.py does).
     qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
     zshift = (n % 8) * 4
     if GATHER:
