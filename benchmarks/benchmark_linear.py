@@ -89,8 +89,8 @@ GEMV_QCONFIGS = {
 
 def best_tiles(rows: list) -> dict:
     """{"gemv" | "gemm": {"format@rows": {"tile": [...], "us_sum": us}}}: per format and row count, the swept tile with the least time summed over every shape
-    it ran on (a tile missing on a shape, by error, does not qualify): the values for POLYFUSE_QGEMV_TILES /
-    POLYFUSE_QGEMM_TILES."""
+    it ran on (a tile missing on a shape, by error, does not qualify): the "tile" entries of a tile_configs folder's
+    qgemv / qgemm tables (polyfuse/backends/triton/tuned.py)."""
     import re
 
     found: dict = {}
@@ -165,7 +165,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
         fns["int4_gemm_reshape"] = lambda q: gemm(x, None, q, reshape=True)
     if m == 1:
         fns[f"{fmt}_gemv"] = lambda q: gemv_q(x, q)
-        if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/quant/gemv_common.py TILES)
+        if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/configs/qgemv)
             from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf
             from polyfuse.backends.triton.quant.gemv_gguf_kquant import gemv_gguf_kquant
             from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
@@ -202,7 +202,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
         except Exception as e:  # a config that does not compile must not stop the sweep
             log(dict(shape=name, M=m, impl=impl, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
     if gemm is not None:
-        tiles = gemm_common.tiles_for(fmt, m)
+        tiles = gemm_common.tiles_for(fmt, m, None, x.device)
         log(dict(shape=name, M=m, what=f"{fmt}_gemm default tiles", tiles=tiles,
                  split=gemm_common.launch_plan(m, n, k, x.device, tiles)[2]))  # fmt: skip
     return out
@@ -226,7 +226,7 @@ def main():
         "--reshape",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --quant int4: also time the GEMM unpacking words once + reshape (POLYFUSE_QGEMM_RESHAPE)",
+        help="with --quant int4: also time the GEMM unpacking words once + reshape (gemm_int4's reshape=True)",
     )
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -6,6 +6,7 @@ compared with PDL off)."""
 import pytest
 import torch
 from helpers import one_thread  # noqa: F401  (autouse fixture)
+from quant_cases import no_prefetch
 
 from polyfuse.backends.triton.add_rms_norm import add_rms_norm
 from polyfuse.backends.triton.quant import gemv_q, norm_gemv_q
@@ -85,22 +86,20 @@ def test_the_pairs_launch_the_small_kernels_early(monkeypatch):
     assert norm_spy.early == [True, True, False] and swiglu_spy.early == [True, False]
 
 
-def test_no_pair_where_the_gemv_loads_nothing_early(monkeypatch):
-    """Act-order int4 (its groups gathered per weight) and POLYFUSE_GEMV_PREFETCH=0 load no weights before the wait:
-    the pairs decline there (the composite's order, as for int8 / fp8)."""
+def test_no_pair_where_the_gemv_loads_nothing_early(tmp_path):
+    """Act-order int4 (its groups gathered per weight) and a tile table whose int4 prefetch_regs is 0 load no weights
+    before the wait: the pairs decline there (the composite's order, as for int8 / fp8)."""
     import dataclasses
 
-    from polyfuse.backends.triton.quant import gemv_common
-
+    late = no_prefetch(tmp_path)
     x, res, w, qw, bias = _inputs()
     with torch.inference_mode():
         assert gemv_q.paired(qw)
         act = dataclasses.replace(qw, act_order=True)
         assert not gemv_q.paired(act)
         assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, act)
-        monkeypatch.setattr(gemv_common, "PREFETCH", False)
-        assert not gemv_q.paired(qw)
-        assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw)
+        assert not gemv_q.paired(qw, late)
+        assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw, options=late)
 
 
 def test_the_pair_takes_one_row_of_int4_in_inference_only():
@@ -132,7 +131,7 @@ def test_registry_puts_the_pair_first_for_one_row_and_yields_to_the_runs_norm():
 
 
 @pytest.mark.cuda
-def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
+def test_int4_batch_one_tokens_with_and_without_pdl():
     """On a Hopper GPU: a random int4 model's greedy tokens at batch 1 (the pairs run at every layer) with PDL on
     equal those with it off, graphed."""
     from helpers import tiny_config
@@ -144,14 +143,11 @@ def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
         pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 and Triton 3.4+")
     cfg = tiny_config(hidden_size=256, intermediate_size=512)
     ids = torch.randint(10, 300, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
-    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(_pdl, "ENABLED", on)
-        _pdl._supported.cache_clear()
+        flags = {"use_flash_attention": True, "use_cuda_graphs": True, "pdl": on}
         model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", flags=flags, quant="int4")
         for op in ("add_rms_norm_linear_q", "swiglu_linear_q"):
             assert model.kernels.choices[op].implementation.name == "gemv_q", op
         out[on] = model.generate(ids, max_new_tokens=24, ignore_eos=True)
-    _pdl._supported.cache_clear()
     assert torch.equal(out[True], out[False])

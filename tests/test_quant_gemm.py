@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
-from quant_cases import quantized, random_gguf
+from quant_cases import quantized, random_gguf, tile_options
 
 from polyfuse.core import registry
 from polyfuse.ops import quant_formats as qf
@@ -197,10 +197,11 @@ def test_int4_mma_plane_major_permutation():
     assert torch.equal(xp, want)
 
 
-def test_int4_mma_declines_what_it_cannot_take(monkeypatch):
+def test_int4_mma_declines_what_it_cannot_take():
     """One row (the CUDA-core GEMV's), more than 16 rows, act-order groups, a group of 64, K not a multiple of 128,
-    float32 activations, SwiGLU folded, and POLYFUSE_INT4_MMA=0 go to the other int4 kernels."""
+    float32 activations, SwiGLU folded, and the kernel option int4_mma off go to the other int4 kernels."""
     from polyfuse.backends.triton.quant import gemm_int4_mma
+    from polyfuse.core.kernel_options import KernelOptions
 
     qw = quantized("int4", 72, 384, "cpu")
     x = torch.randn(16, 384, dtype=torch.bfloat16)
@@ -212,8 +213,7 @@ def test_int4_mma_declines_what_it_cannot_take(monkeypatch):
     assert not gemm_int4_mma.accepts(x[:, :320], None, quantized("int4", 72, 320, "cpu"))
     assert not gemm_int4_mma.accepts(x.float(), None, qw)
     assert not gemm_int4_mma.accepts(x, x, qw)
-    monkeypatch.setattr(gemm_int4_mma, "ENABLED", False)
-    assert not gemm_int4_mma.accepts(x, None, qw)
+    assert not gemm_int4_mma.accepts(x, None, qw, KernelOptions(int4_mma=False))
 
 
 def test_split_k_counters_are_left_zero_and_results_repeat():
@@ -265,8 +265,8 @@ def _scales_with_nan_past_the_end(q):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8", "fp8_block"])
-def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, monkeypatch):
-    """The one-row GEMVs' first one or two weight tiles, loaded before the PDL wait (gemv_common.prefetch_tiles), are
+def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, tmp_path):
+    """The one-row GEMVs' first one or two weight tiles, loaded before the PDL wait (gemv_common.GemvTiles.prefetch), are
     summed in the loop's order: the same bits as without, with one split, eleven (more than the last program's
     unrolled tail loads at once) or 32 (a prefetched tile past the split's end, whose scale must not be read: the
     scales past the last group are NaN here), N not a multiple of the column block, SwiGLU folded or not, and the
@@ -281,22 +281,22 @@ def test_gemv_weights_loaded_before_the_wait_give_the_same_bits(fmt, device, mon
     tiles = (16, 32, 4, 2) if fmt == "int4" else (8, 32, 4, 2)  # 32 tiles of K: 11 splits of 3
     _, gate, up, bias = (t.to(device) for t in inputs(1, n, k, torch.float32, seed=3))
     gate, up = gate.contiguous(), up.contiguous()
-    assert gemv_common.prefetch_tiles(fmt, 1.0) == (2 if fmt == "int4" else 0)  # the defaults: int4 only
+    assert gemv_common.gemv_tiles(device).prefetch(fmt, 1.0) == (2 if fmt == "int4" else 0)  # the default: int4
+    budgets = {regs: tile_options(tmp_path / str(regs), **{fmt: lambda e, r=regs: {**e, "prefetch_regs": r}})
+               for regs in (0, 1, 64)}  # fmt: skip
     w = qf.dequantize(dataclasses.replace(q, scales=quantized(fmt, n, k, device).scales)).double()
     with torch.inference_mode():
         for split in (1, 11, 32):
             for u in (None, up):
-                monkeypatch.setattr(gemv_common, "PREFETCH_REGS", {})
-                plain = kernel(gate, u, q, bias, tiles=tiles, split=split)
+                plain = kernel(gate, u, q, bias, tiles=tiles, split=split, options=budgets[0])
                 for budget, pre in ((1, 1), (64, 2)):
-                    monkeypatch.setattr(gemv_common, "PREFETCH_REGS", {fmt: budget})
-                    assert gemv_common.prefetch_tiles(fmt, 1.0) == pre
-                    assert torch.equal(kernel(gate, u, q, bias, tiles=tiles, split=split), plain), (split, pre)
+                    assert gemv_common.gemv_tiles(device, budgets[budget]).prefetch(fmt, 1.0) == pre
+                    got = kernel(gate, u, q, bias, tiles=tiles, split=split, options=budgets[budget])
+                    assert torch.equal(got, plain), (split, pre)
                 a = gate.double() if u is None else F.silu(gate.double()) * up.double()
                 ref = a @ w.t() + bias.double()
                 assert (plain.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (split, u is None)
-    monkeypatch.setattr(gemv_common, "PREFETCH", False)
-    assert gemv_common.prefetch_tiles("int4", 1.0) == 0
+    assert gemv_common.gemv_tiles(device, budgets[0]).prefetch(fmt, 1.0) == 0
 
 
 def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
@@ -319,7 +319,7 @@ def test_int4_split_tail_loads_any_number_of_partials_at_once(monkeypatch):
     monkeypatch.setattr(gg, "int4_tail_unroll", lambda *a: seen.append(a) or rule(*a))
     with torch.inference_mode():
         gg.gemv_int4(x, None, q, bias, tiles=(16, 32, 1, 2), split=11)
-    assert seen == [(16, 1, gemv_common.programs_per_sm("int4", n, k))]
+    assert seen == [(16, 1, gemv_common.gemv_tiles("cpu").programs_per_sm("int4", n, k))]
     outs = {}
     with torch.inference_mode():
         for split in (11, 32):
@@ -517,7 +517,9 @@ def test_benchmark_linear_quant_rows_smoke(monkeypatch):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "benchmark_linear.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "benchmark_linear.py"
+    )
     spec = importlib.util.spec_from_file_location("benchmark_linear", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -623,14 +625,15 @@ def test_swiglu_folds_yield_to_the_runs_own_swiglu_or_linear_q():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_every_swept_int8_fp8_gemv_tile_is_exact_on_a_partial_shape(device):
-    """Every int8 / fp8 one-row GEMV tile in gemv_common.SHAPE_TILES (chosen per projection on an H200; run 40 added
+    """Every int8 / fp8 one-row GEMV tile of the qgemv table's shapes (chosen per projection on an H200, among them
     8 x 512, 8 x 1024 and 32 x 128 ones) on a weight that leaves its last column block and last K tile partial, one
     split and three: the float64 product of the dequantized weight within 1e-5 of its scale. On the GPU (``-m cuda``)
     each tile compiles with its warps and stages."""
     from polyfuse.backends.triton.quant import gemv_common
     from polyfuse.backends.triton.quant.gemv_int8_fp8 import gemv_int8_fp8
 
-    tiles = sorted({t for (fmt, _, _), t in gemv_common.SHAPE_TILES.items() if fmt in ("int8", "fp8")})
+    table = gemv_common.gemv_tiles("cpu")
+    tiles = sorted({t for fmt in ("int8", "fp8") for t in table.shapes[fmt].values()})
     assert {(8, 512, 4, 4), (8, 1024, 4, 3), (32, 128, 2, 4)} <= set(tiles)
     for i, tile in enumerate(tiles):
         block_n, block_k = tile[:2]

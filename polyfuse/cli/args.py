@@ -2,6 +2,8 @@
 
 import argparse
 
+from polyfuse.cli.kernel_options import add_kernel_options
+
 
 class DefaultSteps(int):
     """--quant_tune_norms / --quant_tune_scales given without STEPS: the library's NORM_STEPS (128; not imported, so
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         "are unchanged and a save carries the tuned scales (docs/quantization.md, Scale tuning)",
     )
     # ---- end of quantized weights ----
+    add_kernel_options(p)
     return p
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from polyfuse.cli.args import FLAG_NAMES, DefaultSteps, build_parser
+from polyfuse.cli.kernel_options import kernel_flags
 from polyfuse.distributed.context import world_size_from_env
 from polyfuse.distributed.launch import distributed_entry
 
@@ -556,7 +557,7 @@ def run(args) -> dict:
     if args.bucket_size is None:
         args.bucket_size = default_bucket_size(device.type, args.max_new_tokens)
     prepare_output_dir(args)
-    flags = {name: getattr(args, name) for name in FLAG_NAMES}
+    flags = {name: getattr(args, name) for name in FLAG_NAMES} | kernel_flags(args)
     flags, warnings = check_flags(device.type, flags)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_linear import fp8_token_rows, scaled_mm_refusal, scaled_mm_rows
 
 
-def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+def accepts_linear_q(x, qweight, bias=None, options=DEFAULT) -> Optional[str]:
     return scaled_mm_refusal(x, qweight)
 
 
@@ -27,6 +28,6 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_token_rows(x2)
 
 
-def linear_q(x, qweight, bias=None):
+def linear_q(x, qweight, bias=None, options=DEFAULT):
     xq, scale_a = quantize_rows(x.reshape(-1, qweight.shape[1]))
-    return scaled_mm_rows(xq, scale_a, qweight, x, bias)
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias, options)

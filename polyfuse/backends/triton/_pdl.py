@@ -19,21 +19,18 @@ early weight tiles; RMSNorm and add+RMSNorm, rotary + cache write, decode attent
 ``**pdl_options(device)``. That gives PDL on NVIDIA GPUs of compute capability 9.0 or more, under
 ``torch.inference_mode`` (generation, prefill and decode: what has been measured and checked on an H200; training
 launches plainly), with a Triton that has PDL (3.4 and later: ``gdc_wait`` and the ``launch_pdl`` launch option; with
-an older one ``wait_prior`` is empty and nothing launches with PDL), not under the CPU interpreter. ``POLYFUSE_PDL=0``
-(read at import) turns it off.
+an older one ``wait_prior`` is empty and nothing launches with PDL), not under the CPU interpreter. The kernel option
+``pdl=False`` (core/kernel_options.py) turns it off for a run.
 """
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._rounding import INTERPRET
-
-
-ENABLED = os.environ.get("POLYFUSE_PDL", "1") != "0"
+from polyfuse.core.kernel_options import DEFAULT
 
 
 def _triton_has_pdl() -> bool:
@@ -52,19 +49,19 @@ TRITON_HAS_PDL = _triton_has_pdl()
 
 @functools.lru_cache(maxsize=None)
 def _supported(device: torch.device) -> bool:
-    if INTERPRET or not ENABLED or not TRITON_HAS_PDL or device.type != "cuda" or torch.version.hip is not None:
+    if INTERPRET or not TRITON_HAS_PDL or device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL (in inference mode)."""
-    return _supported(device)
+def pdl(device: torch.device, options=DEFAULT) -> bool:
+    """Whether kernels on ``device`` launch with PDL (in inference mode) in a run with these kernel options."""
+    return options.pdl and _supported(device)
 
 
-def pdl_options(device: torch.device) -> dict:
+def pdl_options(device: torch.device, options=DEFAULT) -> dict:
     """Keyword arguments of a launch: PDL=<bool> for the kernel, launch_pdl=True where it runs."""
-    on = torch.is_inference_mode_enabled() and pdl(device)
+    on = torch.is_inference_mode_enabled() and pdl(device, options)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

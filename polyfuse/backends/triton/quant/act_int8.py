@@ -17,6 +17,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options
 from polyfuse.backends.triton._rounding import PTX, cast_rne
 from polyfuse.backends.triton.rms_norm import _launch_params
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.act_int8 import BLOCK as QBLOCK
 from polyfuse.ops.act_int8 import TINY
 
@@ -143,7 +144,7 @@ def _outputs(k: int, device, m: int = 1):
     return xw, dx, torch.empty_like(dx)
 
 
-def quantize_rows(x: torch.Tensor, up=None, natural: bool = False):
+def quantize_rows(x: torch.Tensor, up=None, natural: bool = False, options=DEFAULT):
     """x [M, K] (unit column stride; the gate with ``up`` of its shape and dtype for SwiGLU) -> (xw int32 [M, K / 4],
     dx, rs float32 [M, K / 32]); ``natural``: the GGUF GEMVs' word order."""
     if x.dim() != 2 or x.stride(-1) != 1 or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
@@ -156,22 +157,22 @@ def quantize_rows(x: torch.Tensor, up=None, natural: bool = False):
     u = up if up is not None else x
     _quantize_kernel[(triton.cdiv(k, block), m)](
         x, u, xw, dx, rs, k, x.stride(0), u.stride(0), SWIGLU=up is not None, BLOCK=block, ASM=PTX,
-        NATURAL=natural, num_warps=4, **pdl_options(x.device),
+        NATURAL=natural, num_warps=4, **pdl_options(x.device, options),
     )  # fmt: skip
     return xw, dx, rs
 
 
-def quantize_row(x: torch.Tensor, up=None, natural: bool = False):
+def quantize_row(x: torch.Tensor, up=None, natural: bool = False, options=DEFAULT):
     """x [K] or [1, K] (dense; the gate with ``up`` of its dtype for SwiGLU) -> (xw int32 [K / 4], dx, rs float32
     [K / 32]); ``natural``: the K-quant GEMV's word order."""
     k = x.shape[-1]
     if x.numel() != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
         raise ValueError("quantize_row: one row (and up of its shape and dtype)")
-    xw, dx, rs = quantize_rows(x.reshape(1, k), None if up is None else up.reshape(1, k), natural)
+    xw, dx, rs = quantize_rows(x.reshape(1, k), None if up is None else up.reshape(1, k), natural, options)
     return xw.view(-1), dx.view(-1), rs.view(-1)
 
 
-def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural: bool = False):
+def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural=False, options=DEFAULT):
     """add + RMSNorm of one dense row x [H] (residual: [H] or None; weight of x's dtype), quantized ->
     (xw, dx, rs, x + residual in x's dtype, or x itself without a residual); ``natural`` as quantize_row's."""
     h = x.shape[-1]
@@ -183,6 +184,6 @@ def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: floa
     _norm_quantize_kernel[(1,)](
         x, residual if residual is not None else x, r, weight, xw, dx, rs, h, float(eps),
         HAS_RES=residual is not None, BLOCK=block, ASM=PTX, NATURAL=natural, num_warps=num_warps,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return xw, dx, rs, r

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._rounding import cast_rne
-from polyfuse.backends.triton.quant.gemm_common import BYTE_KINDS, RESHAPE, byte_tile, int4_tile
+from polyfuse.backends.triton.quant.gemm_common import BYTE_KINDS, byte_tile, int4_tile
 from polyfuse.backends.triton.quant.gemm_int4 import int4_block_k
 from polyfuse.backends.triton.quant.gemv_common import dense_rows, no_fp8_cvt
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
@@ -81,7 +81,7 @@ def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
         _dequant_kernel[grid](
             qweight, qzeros, scales, g_idx, wd, n, k, qw.group_size, qweight.stride(0), qzeros.stride(0),
             scales.stride(0), wd.stride(0),
-            INT4=True, GATHER=gather, RESHAPE=RESHAPE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            INT4=True, GATHER=gather, RESHAPE=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         )  # fmt: skip
         return wd.t()
     wd = torch.empty((n, k), dtype=dtype, device=qw.device)

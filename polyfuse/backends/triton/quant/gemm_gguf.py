@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._rounding import INTERPRET  # the interpreter has no bfloat16 dot: float32 products
 from polyfuse.backends.triton.quant.gemm_common import (
-    UPCAST_ALWAYS,
     dot_acc,
     launch_plan,
     load_a,
@@ -28,6 +28,7 @@ from polyfuse.backends.triton.quant.gemm_common import (
 )
 from polyfuse.backends.triton.quant.gemv_common import counters, workspace
 from polyfuse.backends.triton.quant.gemv_gguf_kquant import q4_k_scale_min, q6_k_quants, q45_k_quants
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -100,13 +101,13 @@ def _gemm_gguf_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
-def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None):
+def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
     dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m; block_k a
     multiple of 32 (K-quants: of 256 is not needed, K is)."""
     n, k = qw.shape
     m = x.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles)
+    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles, x.device, options)
     assert block_k % 32 == 0 and k % 32 == 0
     grid, per, split = launch_plan(m, n, k, x.device, (block_m, block_n, block_k), split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -120,7 +121,7 @@ def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None):
         x, u, w.view(torch.uint8), w.view(torch.int16), bias if bias is not None else y, y, ws, cnt, m, n, k,
         x.stride(0), u.stride(0), y.stride(0), w.stride(0), per,
         SWIGLU=up is not None, FMT=CODES[qw.format], BYTES=GGUF_BYTES[qw.format], HAS_BIAS=bias is not None,
-        UPCAST=UPCAST_ALWAYS or x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=INTERPRET or x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y
