@@ -14,6 +14,7 @@ Vocabulary:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -234,19 +235,12 @@ def warn_declined(op: str, impl: str, why: str, then: str) -> None:
         logger.warning("polyfuse: %s: %s cannot take this input (%s); %s runs", op, impl, why, then)
 
 
-def _with_options(fn: Callable, options) -> Callable:
-    def call(*args, **kwargs):
-        return fn(*args, options=options, **kwargs)
-
-    call.__name__ = call.__qualname__ = getattr(fn, "__name__", "implementation")
-    return call
-
-
 def _bound(impl: Implementation, options) -> tuple:
-    """(fn, accepts) of ``impl`` for a run with these kernel options."""
+    """(fn, accepts) of ``impl`` for a run with these kernel options (a partial: no Python frame per call)."""
     if not impl.options:
         return impl.fn, impl.accepts
-    return _with_options(impl.fn, options), None if impl.accepts is None else _with_options(impl.accepts, options)
+    accepts = None if impl.accepts is None else functools.partial(impl.accepts, options=options)
+    return functools.partial(impl.fn, options=options), accepts
 
 
 def _taker(rest: list, terminal: str, args, kwargs, options) -> str:
