@@ -46,7 +46,7 @@ def test_prefill_rows_name_the_attention_that_runs():
     from types import SimpleNamespace as NS
 
     spec = importlib.util.spec_from_file_location(
-        "bench_gen", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "bench_gen", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -152,7 +152,7 @@ def test_profile_summary_sorts_kernels_by_kind():
     import importlib.util
     from types import SimpleNamespace
 
-    path = os.path.join(ROOT, "examples", "benchmark_training.py")
+    path = os.path.join(ROOT, "benchmarks", "benchmark_training.py")
     spec = importlib.util.spec_from_file_location("benchmark_training_kinds", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -190,7 +190,7 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
     from polyfuse.models import AutoModelForCausalLM
 
     spec = importlib.util.spec_from_file_location(
-        "bench_gen_idle", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "bench_gen_idle", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -865,7 +865,7 @@ def test_benchmark_generation_quant_smoke(tmp_path, monkeypatch):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -886,7 +886,7 @@ def test_benchmark_generation_quant_prefill_without_torchao(tmp_path, monkeypatc
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", os.path.join(ROOT, "examples", "benchmark_generation.py")
+        "benchmark_generation", os.path.join(ROOT, "benchmarks", "benchmark_generation.py")
     )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -1095,7 +1095,7 @@ def test_perplexity_with_fp8_activations(builtin):
 def test_evaluate_perplexity_int8_activations_suffix(capsys, monkeypatch):
     """--quant int4,int8+a8: one error line (the int8-activation paths are int4's and the GGUF's), exit 2, before any
     entry is scored."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "int4,int8+a8", "--max_tokens", "64"]) == 2
@@ -1109,7 +1109,7 @@ def test_evaluate_perplexity_w8a8_suffix(builtin, capsys, monkeypatch):
     """--quant fp8,fp8+w8a8: the second entry scores the same fp8 weights with the W8A8 emulation (benchmarks/harness/act_fp8.py),
     so its per-token losses differ from the first's (the first 128 tokens: the emulation moves them, the weights
     are the same)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "fp8,fp8+w8a8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1156,7 +1156,7 @@ def test_evaluate_perplexity_bad_input(builtin, tmp_path, capsys, monkeypatch, a
     the last case scores ``none`` first, then the float model's head cannot be quantized without a format). All but
     the last are refused before a model is loaded. Before session 30's review most of these raised a traceback, a
     negative --max_tokens scored the whole text and an empty --quant entry ran the default load."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     (tmp_path / "folder").mkdir()
@@ -1185,7 +1185,7 @@ def test_evaluate_perplexity_reports_the_paired_standard_error(builtin, capsys, 
     """Each entry's vs_first comes with vs_first_se, the standard error of the per-token loss differences against the
     first entry (paired): 0 for the first entry; for int8 on the built-in model's first 128 tokens it is a fraction
     of a percent (the unpaired std of the losses over sqrt(tokens) would be about 20%)."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     assert evaluate_perplexity.main(["--quant", "none,int8", "--max_tokens", "128", "--context", "64"]) == 0
@@ -1200,7 +1200,7 @@ def test_evaluate_perplexity_samples_under_jittered_inputs(builtin, capsys, monk
     """--samples 3: every entry is scored unjittered and under two jittered seeds, each against the first entry under
     the same draws: the first entry's samples are exactly 0 (the same draws on the same weights), int8's are three
     different numbers (the jitter reaches the losses) near its vs_first, and vs_first_mean is their mean."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "examples"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import evaluate_perplexity
 
     args = ["--quant", "none,int8", "--max_tokens", "128", "--context", "64", "--samples", "3"]
