@@ -31,7 +31,9 @@ from benchmarks.harness.memory_plan import check_memory, fill_defaults  # noqa: 
 from benchmarks.harness.report import RowSink  # noqa: E402
 from benchmarks.harness.shapes import config_for  # noqa: E402
 from benchmarks.harness.summary import summary  # noqa: E402
+from polyfuse.cli.kernel_options import add_kernel_options, kernel_flags  # noqa: E402
 from polyfuse.compat import DTYPE_KW  # noqa: E402
+from polyfuse.core.kernel_options import FIELDS, changed, from_flags  # noqa: E402
 from polyfuse.generation.hooks import PhaseTimer  # noqa: E402
 from polyfuse.generation.kv_cache import ensure_cache  # noqa: E402
 from polyfuse.generation.steps import StepModule  # noqa: E402
@@ -142,11 +144,9 @@ class StepTimer:
 
 def quant_label(args, batch: int, device) -> str:
     """A row's ``quant``: the format, +lm_head, +a8 where its decode steps' GEMVs run on int8 activations: one row on
-    a CUDA device, with int4 and POLYFUSE_INT4_A8=1 or a GGUF type unless POLYFUSE_GGUF_A8=0 (batch > 1 and the
-    prefill keep float activations)."""
-    a8 = (args.quant == "int4" and os.environ.get("POLYFUSE_INT4_A8", "0") == "1") or (
-        args.quant.startswith("gguf_") and os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
-    )  # gemv_gptq_a8.ENABLED's / gemv_gguf_a8.ENABLED's source
+    a CUDA device, with int4 and --int4_a8 or a GGUF type unless --no-gguf_a8 (batch > 1 and the prefill keep float
+    activations)."""
+    a8 = (args.quant == "int4" and args.int4_a8) or (args.quant.startswith("gguf_") and args.gguf_a8)
     a8 = a8 and batch == 1 and torch.device(device).type == "cuda"
     head = "" if args.head_format in (None, args.quant) else f":{args.head_format}"
     return args.quant + ("+lm_head" + head if args.quant_lm_head else "") + ("+a8" if a8 else "")
@@ -324,6 +324,7 @@ def main():
     p.add_argument("--checkpoint_dir", default=None, help="--tp: where the peer shapes' random checkpoint is written "
                    "once (rank 0, a child process) for --load and the transformers tp_plan peer")  # fmt: skip
     p.add_argument("--write_checkpoint", default=None, help=argparse.SUPPRESS)  # the child: write one, exit
+    add_kernel_options(p)
     args = p.parse_args()
     if args.write_checkpoint:
         return write_checkpoint(args.write_checkpoint, args.shapes.split(",")[0])
@@ -346,6 +347,8 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plan_run(args, device, dtype)
     flags = {f: True for f in args.flags.split(",") if f}
+    options = changed(from_flags(kernel_flags(args)))  # the kernel options set (--int4_a8, --no-pdl, ...)
+    flags.update(options)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     out = RowSink(args.output, args.results, gpu if args.tp == 1 else f"{args.tp} x {gpu}")
     if args.tp > 1:
@@ -358,7 +361,8 @@ def main():
             torch=torch.__version__,
             transformers=transformers.__version__,
             gpu=gpu,
-            flags=sorted(flags),
+            flags=sorted(f for f in flags if f not in options),
+            kernel_options=options,
         ),
         out,
     )
@@ -606,7 +610,9 @@ def bench_tp(args, device, dtype, flags, out) -> None:
     device, cuda = tp.device, tp.device.type == "cuda"
     torch.manual_seed(0)  # every rank draws the same prompts
     log(dict(what="versions", torch=torch.__version__, transformers=transformers.__version__, tp=tp.world_size,
-             backend=tp.backend, gpu=torch.cuda.get_device_name(device) if cuda else "cpu", flags=sorted(flags),
+             backend=tp.backend, gpu=torch.cuda.get_device_name(device) if cuda else "cpu",
+             flags=sorted(f for f in flags if type(flags[f]) is bool and f not in FIELDS),
+             kernel_options=changed(from_flags(flags)),
              env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}), out)  # fmt: skip
     peers = [m for m in args.peers.split(",") if m]
     lengths = (args.prompt_len, args.new_tokens)

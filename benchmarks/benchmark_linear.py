@@ -84,15 +84,15 @@ GEMV_QCONFIGS = {
        for ns in (2, 3, 4)],
     "bytes": [(bn, bk, 4, ns) for bn, bk in ((4, 2048), (8, 1024), (8, 2048), (16, 512), (16, 1024), (32, 256))
               for ns in (2, 3, 4)] + [(bn, bk, 8, ns) for bn, bk in ((8, 2048), (16, 1024)) for ns in (3, 4)],
-    # GGUF K-quants (gemv_kquant.py): rows per program; block_k / 256 super-blocks per step
+    # GGUF K-quants (gemv_gguf_kquant.py): rows per program; block_k / 256 super-blocks per step
     "kquant": [(bn, bk, nw, ns) for bn in (4, 8, 16, 32) for bk in (256, 512) for nw in (1, 2, 4) for ns in (2, 3)],
 }  # fmt: skip
 
 
 def best_tiles(rows: list) -> dict:
     """{"gemv" | "gemm": {"format@rows": {"tile": [...], "us_sum": us}}}: per format and row count, the swept tile with the least time summed over every shape
-    it ran on (a tile missing on a shape, by error, does not qualify): the values for POLYFUSE_QGEMV_TILES /
-    POLYFUSE_QGEMM_TILES."""
+    it ran on (a tile missing on a shape, by error, does not qualify): the "tile" entries of a tile_configs folder's
+    qgemv / qgemm tables (polyfuse/backends/triton/tuned.py)."""
     import re
 
     found: dict = {}
@@ -139,12 +139,12 @@ def graph_time(fn, reps: int) -> float:
 
 def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     """{impl: (seconds per call, bytes read)} for the ``fmt`` kernels on weight ``w`` and ``m`` rows of ``x``."""
-    from polyfuse.backends.triton import _qgemm
-    from polyfuse.backends.triton.dequant_mm import linear_q as dequant_mm
-    from polyfuse.backends.triton.gemm_gptq import gemm_gptq
-    from polyfuse.backends.triton.gemm_scaled import gemm_scaled
-    from polyfuse.backends.triton.quant_gemv import linear_q as gemv_q
-    from polyfuse.backends.triton.quant_gemv import swiglu_linear_q as gemv_q_swiglu
+    from polyfuse.backends.triton.quant import gemm_common
+    from polyfuse.backends.triton.quant.dequant_mm import linear_q as dequant_mm
+    from polyfuse.backends.triton.quant.gemm_int4 import gemm_int4
+    from polyfuse.backends.triton.quant.gemm_int8_fp8 import gemm_int8_fp8
+    from polyfuse.backends.triton.quant.gemv_q import linear_q as gemv_q
+    from polyfuse.backends.triton.quant.gemv_q import swiglu_linear_q as gemv_q_swiglu
     from polyfuse.backends.triton.swiglu import swiglu
     from polyfuse.ops.quant_formats import K_QUANTS, dequantize, quantize
     from polyfuse.ops.quant_linear import linear_q_native
@@ -154,7 +154,7 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
     qbytes = sum(getattr(qw, t).nbytes for t in tensors)
     copies = max(2, min(32, -(-(2 << 30) // qbytes)))
     qws = [qw] + [dataclasses.replace(qw, **{t: getattr(qw, t).clone() for t in tensors}) for _ in range(copies - 1)]
-    gemm = {"int4": gemm_gptq, "int8": gemm_scaled, "fp8": gemm_scaled}.get(fmt)
+    gemm = {"int4": gemm_int4, "int8": gemm_int8_fp8, "fp8": gemm_int8_fp8}.get(fmt)
     wd = dequantize(qw, x.dtype)
     ref, sref = F.linear(x, wd).float(), F.linear(swiglu(x, up), wd).float()
     fns = {f"{fmt}_native": lambda q: linear_q_native(x, q)}
@@ -167,15 +167,15 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
         fns["int4_gemm_reshape"] = lambda q: gemm(x, None, q, reshape=True)
     if m == 1:
         fns[f"{fmt}_gemv"] = lambda q: gemv_q(x, q)
-        if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/_qgemv.py TILES)
-            from polyfuse.backends.triton.gemv_gguf import gemv_gguf
-            from polyfuse.backends.triton.gemv_gptq import gemv_gptq
-            from polyfuse.backends.triton.gemv_kquant import gemv_kquant
-            from polyfuse.backends.triton.gemv_scaled import gemv_scaled
+        if args.gemv_sweep:  # the one-row GEMV's tiles (polyfuse/backends/triton/configs/qgemv)
+            from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf
+            from polyfuse.backends.triton.quant.gemv_gguf_kquant import gemv_gguf_kquant
+            from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
+            from polyfuse.backends.triton.quant.gemv_int8_fp8 import gemv_int8_fp8
 
             kquant = fmt in K_QUANTS
-            kernel = {"int4": gemv_gptq}.get(
-                fmt, gemv_kquant if kquant else gemv_gguf if "gguf" in fmt else gemv_scaled
+            kernel = {"int4": gemv_int4}.get(
+                fmt, gemv_gguf_kquant if kquant else gemv_gguf if "gguf" in fmt else gemv_int8_fp8
             )
             for cfg in GEMV_QCONFIGS["int4" if fmt == "int4" else "kquant" if kquant else "bytes"]:
                 tag = f"{fmt}_gemv_{cfg[0]}x{cfg[1]}_w{cfg[2]}s{cfg[3]}"
@@ -204,9 +204,9 @@ def time_quantized(fmt, name, n, k, m, w, x, up, args, log) -> dict:
         except Exception as e:  # a config that does not compile must not stop the sweep
             log(dict(shape=name, M=m, impl=impl, error=str(e).splitlines()[0][:200] if str(e) else type(e).__name__))
     if gemm is not None:
-        tiles = _qgemm.tiles_for(fmt, m)
+        tiles = gemm_common.tiles_for(fmt, m, None, x.device)
         log(dict(shape=name, M=m, what=f"{fmt}_gemm default tiles", tiles=tiles,
-                 split=_qgemm.launch_plan(m, n, k, x.device, tiles)[2]))  # fmt: skip
+                 split=gemm_common.launch_plan(m, n, k, x.device, tiles)[2]))  # fmt: skip
     return out
 
 
@@ -230,7 +230,7 @@ def main():
         "--reshape",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --quant int4: also time the GEMM unpacking words once + reshape (POLYFUSE_QGEMM_RESHAPE)",
+        help="with --quant int4: also time the GEMM unpacking words once + reshape (gemm_int4's reshape=True)",
     )
     args = p.parse_args()
     if not torch.cuda.is_available():

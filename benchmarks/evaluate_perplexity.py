@@ -17,7 +17,7 @@ weights to the float model on the same windows, as --quant_tune_norms, "+scales"
 float model on the held-out windows, norm_kl_windows of them, before and after). The first entry is the
 baseline the others are compared with. "+a8" (int4+a8, gguf+a8) scores int4 (a GGUF's kept weights) with the
 projections' activations quantized to int8 in blocks of 32, as the one-row decode computes them with
-POLYFUSE_INT4_A8=1 (GGUF: by default) (emulated on every position, teacher-forced: benchmarks/harness/act_int8.py).
+the kernel option int4_a8 (GGUF: gguf_a8, on by default) (emulated on every position, teacher-forced: benchmarks/harness/act_int8.py).
 "+w8a8" (fp8+w8a8, fp8_block+w8a8, also after +gptq / +scales) scores fp8 with the activations rounded to e4m3 per
 token (fp8_block: per token and 128 columns) as a GPU's W8A8 prefill GEMMs round them, on any device (the CPU's fp8
 is otherwise weight-only; benchmarks/harness/act_fp8.py); the tuning (+norms, +scales) still fits the weight-only model.

@@ -147,3 +147,28 @@ def cases_add_rms_norm_linear_q(device, dtype, big):
 
                 out.append((f"{fmt}-x{lead}K{k}N{n}{'-res' if with_res else ''}{'-bias' if with_bias else ''}", make))
     return out
+
+
+def tile_options(folder, kind: str = "qgemv", **kw):
+    """Kernel options whose ``tile_configs`` folder (``folder``, made here) replaces entries of the package's
+    ``kind`` table (configs/<kind>/default.json): ``kw`` maps a format (or op) to its entry, or to a function of
+    the package's entry (e.g. ``int4=lambda e: {**e, "prefetch_regs": 0}``); other keys of KernelOptions pass
+    through (``pdl=False``)."""
+    import json
+    import pathlib
+
+    from polyfuse.backends.triton import tuned
+    from polyfuse.core.kernel_options import FIELDS, KernelOptions
+
+    options = {k: kw.pop(k) for k in list(kw) if k in FIELDS}
+    base = tuned.table(kind, "")
+    where = pathlib.Path(folder) / kind
+    where.mkdir(parents=True, exist_ok=True)
+    entries = {name: (entry(base.get(name, {})) if callable(entry) else entry) for name, entry in kw.items()}
+    (where / "default.json").write_text(json.dumps(entries))
+    return KernelOptions(tile_configs=str(folder), **options)
+
+
+def no_prefetch(folder):
+    """Kernel options under which no one-row GEMV loads weights before its PDL wait (int4's prefetch_regs 0)."""
+    return tile_options(folder, int4=lambda e: {**e, "prefetch_regs": 0})

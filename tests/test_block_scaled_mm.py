@@ -1,4 +1,4 @@
-"""fp8_block prefill on the tensor cores (backends/triton/block_scaled_mm.py): activations quantized per token and 128
+"""fp8_block prefill on the tensor cores (backends/triton/quant/fp8_block_mm.py): activations quantized per token and 128
 columns, then torch._scaled_mm with 1 x 128 block scales on both operands.
 
 CPU: the group quantization's bytes and scales against torch's arithmetic, the scale layout cuBLAS reads, where the
@@ -31,7 +31,7 @@ def _groups_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_groups_quantize_as_torch_does_with_the_layout_cublas_reads():
-    from polyfuse.backends.triton.block_scaled_mm import quantize_groups
+    from polyfuse.backends.triton.quant.fp8_block_mm import quantize_groups
 
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(21, 384, generator=gen) * 2).bfloat16()
@@ -69,7 +69,7 @@ def test_its_place_in_the_nvidia_chain(monkeypatch):
 
 
 def test_what_it_declines():
-    from polyfuse.backends.triton.block_scaled_mm import accepts_linear_q
+    from polyfuse.backends.triton.quant.fp8_block_mm import accepts_linear_q
 
     qb, qc = quantized("fp8_block", 48, 256, "cpu"), quantized("fp8", 48, 256, "cpu")
     x = torch.randn(2, 40, 256).bfloat16()
@@ -101,7 +101,7 @@ def test_block_product_on_the_gpu(rows):
     )
     if why:
         pytest.skip(why)
-    from polyfuse.backends.triton.block_scaled_mm import accepts_linear_q, linear_q
+    from polyfuse.backends.triton.quant.fp8_block_mm import accepts_linear_q, linear_q
 
     gen = torch.Generator().manual_seed(rows)
     qw = quantized("fp8_block", 1024, 4096, "cuda")

@@ -51,8 +51,10 @@ def test_everything_registered_for_cuda_only():
     for impl in impls.values():
         assert impl.devices == ("cuda",)
         assert impl.probe is not None
-        # Portable Triton kernels also serve ROCm; the NVIDIA-only pieces (SDPA choice, tuned GEMV) do not.
-        assert impl.platforms == (("cuda", "rocm") if impl.backend == "triton" else ("cuda",))
+        # Portable Triton kernels also serve ROCm; the NVIDIA-only pieces (SDPA choice, the GEMV tuned on NVIDIA
+        # products) do not.
+        portable = impl.backend == "triton" and impl.name != "triton_gemv"
+        assert impl.platforms == (("cuda", "rocm") if portable else ("cuda",)), (impl.op, impl.name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -85,7 +87,7 @@ def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(tr
             )
             assert opted.choices[op].implementation.name == "triton_recompute"
         else:
-            assert (impl.backend, impl.name) == ("cuda", "triton_gemv")
+            assert (impl.backend, impl.name) == ("triton", "triton_gemv")
             assert "triton_recompute" not in [i.name for i in kernels.choices[op].then]
     report = kernels.report()
     assert ("Triton GEMV on the one-row shapes tuned for this GPU" in report) is not training
@@ -94,14 +96,18 @@ def test_projections_take_the_gemv_at_inference_only_and_the_report_says_when(tr
     assert forced.choices["swiglu_linear"].implementation.name != "triton_recompute"
 
 
-def test_gemv_table_applies_only_to_the_gpu_it_was_tuned_on(monkeypatch):
-    from polyfuse.backends.cuda import gemv_table
-
-    monkeypatch.setattr(gemv_table, "TABLE", {})
+def test_gemv_table_applies_only_to_the_gpu_it_was_tuned_on(tmp_path):
     other = Platform("cuda", "cuda", "NVIDIA A100-SXM4-80GB", (8, 0))
     kernels = registry.resolve(SelectionContext(CUDA, torch.bfloat16, platform=other))
     assert kernels.choices["linear"].implementation.name == registry.NATIVE
     assert "no GEMV table tuned for NVIDIA A100" in kernels.choices["linear"].reason
+    # a table of its own in a tile_configs folder (a tuning run on that GPU) turns the GEMV on there
+    (tmp_path / "gemv").mkdir()
+    (tmp_path / "gemv" / "NVIDIA_A100-SXM4-80GB.json").write_text('{"linear": {"4096,4096": [4, 4096, 8, 2]}}')
+    ctx = SelectionContext(CUDA, torch.bfloat16, flags={"tile_configs": str(tmp_path)}, platform=other)
+    kernels = registry.resolve(ctx)
+    assert kernels.choices["linear"].implementation.name == "triton_gemv"
+    assert "kernel options: tile_configs=" in kernels.report()
     rocm = Platform("rocm", "cuda", "AMD Instinct MI300X", (9, 4))
     kernels = registry.resolve(
         SelectionContext(CUDA, torch.bfloat16, flags={"use_flash_attention": True}, platform=rocm)

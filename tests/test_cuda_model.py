@@ -127,10 +127,10 @@ def test_graph_replay_matches_eager_exactly(pair):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8", "int4", "int8"])
-def test_pdl_gives_the_same_tokens(pair, monkeypatch, quant):
+def test_pdl_gives_the_same_tokens(pair, quant):
     """The inference kernels launched with programmatic dependent launch (Hopper and up: each waits for the kernel
     before it) give the tokens of plain stream order, under CUDA graphs, for bf16 weights and through the quantized
-    one-row GEMVs (fp8 / int8: gemv_scaled, int4: gemv_gptq)."""
+    one-row GEMVs (fp8 / int8: gemv_int8_fp8, int4: gemv_int4)."""
     from polyfuse.backends.triton import _pdl
 
     if torch.cuda.get_device_capability() < (9, 0) or not _pdl.TRITON_HAS_PDL:
@@ -140,12 +140,10 @@ def test_pdl_gives_the_same_tokens(pair, monkeypatch, quant):
     flags = {"use_flash_attention": True, "use_cuda_graphs": True}
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(_pdl, "ENABLED", on)
-        _pdl._supported.cache_clear()
-        assert _pdl.pdl(torch.device("cuda")) is on
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags, quant=quant)
+        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", flags=flags, quant=quant,
+                                                 pdl=on)  # fmt: skip
+        assert _pdl.pdl(torch.device("cuda"), model.kernels.context.options) is on
         out[on] = model.generate(ids, mask, max_new_tokens=48, ignore_eos=True)
-    _pdl._supported.cache_clear()
     assert torch.equal(out[True], out[False])
 
 

@@ -1,4 +1,4 @@
-"""The dequantizing GEMM on GGUF weights kept as stored (backends/triton/gemm_gguf.py: batch decode past the
+"""The dequantizing GEMM on GGUF weights kept as stored (backends/triton/quant/gemm_gguf.py: batch decode past the
 int8-activation GEMV's rows): every type on our packing and on (super-)blocks of random bytes, against the float64
 product of the reference's dequantized weight; splits of K, bias, SwiGLU folded into the activation loads."""
 
@@ -14,7 +14,7 @@ from polyfuse.ops import quant_formats as qf
 
 pytest.importorskip("triton")
 
-from polyfuse.backends.triton.gemm_gguf import gemm_gguf  # noqa: E402
+from polyfuse.backends.triton.quant.gemm_gguf import gemm_gguf  # noqa: E402
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

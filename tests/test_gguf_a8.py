@@ -1,31 +1,31 @@
-"""The GGUF one-row GEMV on int8 activations (POLYFUSE_GGUF_A8): the activations quantized in blocks of 32 in natural
-order (backends/triton/act_int8.py ``natural``), the GEMV on integer dot products (backends/triton/gemv_gguf_a8.py:
-Q8_0 / Q4_0 / Q4_1; gemv_kquant_a8.py: Q4_K / Q5_K / Q6_K). Bytes against the torch reference bit for bit, the GEMV against the float64
+"""The GGUF one-row GEMV on int8 activations (the kernel option ``gguf_a8``, on by default): the activations quantized in blocks of 32 in natural
+order (backends/triton/quant/act_int8.py ``natural``), the GEMV on integer dot products (backends/triton/quant/gemv_gguf_a8.py:
+Q8_0 / Q4_0 / Q4_1; gemv_gguf_kquant_a8.py: Q4_K / Q5_K / Q6_K). Bytes against the torch reference bit for bit, the GEMV against the float64
 product of the dequantized weight and activations, a tiny GGUF model's decode against the native model fed the same
 activations."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import dist_env, one_thread, record_last_logits_, run_session, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
-from quant_cases import random_gguf
+from helpers import one_thread, record_last_logits_, tiny_config, write_tiny_gguf  # noqa: F401  (one_thread: autouse)
+from quant_cases import random_gguf, tile_options
 
 from polyfuse.core import registry
+from polyfuse.core.context import SelectionContext
+from polyfuse.core.kernel_options import KernelOptions
 from polyfuse.ops import quant_formats as qf
 from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
 
 
 pytest.importorskip("triton")
 
-from polyfuse.backends.triton import gemv_gguf_a8 as ga8  # noqa: E402
-from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row, quantize_rows  # noqa: E402
+from polyfuse.backends.triton.quant import gemv_gguf_a8 as ga8  # noqa: E402
+from polyfuse.backends.triton.quant.act_int8 import norm_quantize_row, quantize_row, quantize_rows  # noqa: E402
 
 
-ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+OFF = KernelOptions(gguf_a8=False)
 
 
 def natural_words(q: torch.Tensor) -> torch.Tensor:
@@ -152,77 +152,77 @@ def test_rows_against_the_reference(device, fmt):
 
 
 def test_rows_dispatch(monkeypatch):
-    """gemm_q (quant_gemm.py) runs 2..MAX_ROWS rows of a GGUF weight kept as stored on int8 activations (SwiGLU's
+    """gemm_q (gemm_q.py) runs 2..MAX_ROWS rows of a GGUF weight kept as stored on int8 activations (SwiGLU's
     too, in the quantize kernel), with the multi-row GEMV's numbers; Q4_0 / Q4_1 / Q8_0 / Q4_K rows past them (or
     rows the A8 GEMV does not take: Q8_0 of an odd number of blocks) go to the dequantizing GEMM (gemm_gguf.py) up to
-    quant_gemm.GGUF_GEMM's rows, with its numbers; one row, more rows, and Q5_K / Q6_K past the A8 GEMV are declined
+    gemm_q.GGUF_GEMM's rows, with its numbers; one row, more rows, and Q5_K / Q6_K past the A8 GEMV are declined
     (to dequantize + cuBLAS)."""
-    from polyfuse.backends.triton import quant_gemm
-    from polyfuse.backends.triton.gemm_gguf import gemm_gguf
+    from polyfuse.backends.triton.quant import gemm_q
+    from polyfuse.backends.triton.quant.gemm_gguf import gemm_gguf
     from polyfuse.backends.triton.swiglu import swiglu_forward
 
     qw = qf.quantize("gguf_q4_1", torch.randn(48, 512) * 0.05)
     x = torch.randn(2, 3, 512)
-    assert quant_gemm.accepts_linear_q(x, qw) is None
-    assert quant_gemm.accepts_linear_q(torch.randn(1, 1, 512), qw) is not None
-    assert quant_gemm.accepts_linear_q(torch.randn(quant_gemm.GGUF_GEMM["gguf_q4_1"] + 1, 512), qw) is not None
-    assert quant_gemm.accepts_swiglu_linear_q(x, x, qw) is None
+    assert gemm_q.accepts_linear_q(x, qw) is None
+    assert gemm_q.accepts_linear_q(torch.randn(1, 1, 512), qw) is not None
+    assert gemm_q.accepts_linear_q(torch.randn(gemm_q.GGUF_GEMM["gguf_q4_1"] + 1, 512), qw) is not None
+    assert gemm_q.accepts_swiglu_linear_q(x, x, qw) is None
     q8 = qf.quantize("gguf_q8_0", torch.randn(48, 480))  # 15 blocks a row: the A8 GEMV reads Q8_0 blocks by pairs
-    assert (
-        not ga8.accepts_rows(torch.randn(2, 480), q8) and quant_gemm.accepts_linear_q(torch.randn(2, 480), q8) is None
-    )
-    assert "more than 32 rows" in quant_gemm.accepts_linear_q(torch.randn(33, 480), q8)
+    assert not ga8.accepts_rows(torch.randn(2, 480), q8) and gemm_q.accepts_linear_q(torch.randn(2, 480), q8) is None
+    assert "more than 32 rows" in gemm_q.accepts_linear_q(torch.randn(33, 480), q8)
     q4k = qf.quantize("gguf_q4_k", torch.randn(48, 512))
-    assert quant_gemm.accepts_linear_q(torch.randn(32, 512), q4k) is None
-    assert "more than 32 rows" in quant_gemm.accepts_linear_q(torch.randn(33, 512), q4k)
-    assert quant_gemm.accepts_linear_q(torch.randn(64, 512), qw) is None  # Q4_1: to 64
+    assert gemm_q.accepts_linear_q(torch.randn(32, 512), q4k) is None
+    assert "more than 32 rows" in gemm_q.accepts_linear_q(torch.randn(33, 512), q4k)
+    assert gemm_q.accepts_linear_q(torch.randn(64, 512), qw) is None  # Q4_1: to 64
     q5 = qf.quantize("gguf_q5_k", torch.randn(48, 512))
-    assert "GEMM" in quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q5)  # measured slower
+    assert "GEMM" in gemm_q.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q5)  # measured slower
     q6 = qf.quantize("gguf_q6_k", torch.randn(48, 512))
-    assert quant_gemm.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q6) is not None
+    assert gemm_q.accepts_linear_q(torch.randn(ga8.MAX_ROWS + 1, 512), q6) is not None
     many = torch.randn(ga8.MAX_ROWS + 1, 512)
-    assert not ga8.accepts_rows(many, qw) and quant_gemm.accepts_linear_q(many, qw) is None
+    assert not ga8.accepts_rows(many, qw) and gemm_q.accepts_linear_q(many, qw) is None
     with torch.inference_mode():
-        assert torch.equal(quant_gemm.linear_q(many, qw), gemm_gguf(many, None, qw))
+        assert torch.equal(gemm_q.linear_q(many, qw), gemm_gguf(many, None, qw))
     with torch.inference_mode():
-        got = quant_gemm.linear_q(x, qw)
+        got = gemm_q.linear_q(x, qw)
         assert got.shape == (2, 3, 48)
         assert torch.equal(got.view(6, 48), ga8.gemv_gguf_a8(quantize_rows(x.view(6, 512), natural=True), qw, x.dtype))
-        got = quant_gemm.swiglu_linear_q(x, x * 0.5, qw)
+        got = gemm_q.swiglu_linear_q(x, x * 0.5, qw)
         want = ga8.gemv_gguf_a8(quantize_rows(swiglu_forward(x, x * 0.5).view(6, 512), natural=True), qw, x.dtype)
         assert torch.equal(got.view(6, 48), want)
-    monkeypatch.setattr(ga8, "ENABLED", False)
     with torch.inference_mode():
-        assert torch.equal(quant_gemm.linear_q(x, qw).view(6, 48), gemm_gguf(x.view(6, 512), None, qw))
+        assert torch.equal(gemm_q.linear_q(x, qw, options=OFF).view(6, 48), gemm_gguf(x.view(6, 512), None, qw))
 
 
-@pytest.mark.slow
-def test_the_switch_is_read_from_the_environment():
-    """POLYFUSE_GGUF_A8 is read at import: unset or any value but "0" turns the A8 path on, "0" off."""
-    code = "from polyfuse.backends.triton import gemv_gguf_a8 as g; print(g.ENABLED)"
-    for value, want in ((None, "True"), ("0", "False"), ("off", "True")):
-        env = dist_env(PYTHONPATH=str(ROOT))
-        env.pop("POLYFUSE_GGUF_A8", None)
-        if value is not None:
-            env["POLYFUSE_GGUF_A8"] = value
-        out = run_session([sys.executable, "-c", code], 120, env, ROOT)
-        assert out.returncode == 0 and out.stdout.strip() == want, (value, out.stderr[-2000:])
+def test_the_option_reaches_the_kernels_of_a_resolved_run():
+    """gguf_a8=False in a run's flags reaches gemv_q's accepts through the registry: the one-row call then takes
+    the float-activation GEMV (the registry binds the run's options; a default run keeps the A8 path)."""
+    qw = qf.quantize("gguf_q4_1", torch.randn(48, 512) * 0.05)
+    x = torch.randn(1, 1, 512)
+    got = {}
+    for a8 in (True, False):
+        ctx = SelectionContext(torch.device("cpu"), flags={"gguf_a8": a8})
+        with torch.inference_mode():
+            got[a8] = registry.bound("linear_q", "gemv_q", ctx)(x, qw)
+    from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf
+
+    with torch.inference_mode():
+        assert torch.equal(got[True].view(1, -1), ga8.gemv_gguf_a8(quantize_row(x, natural=True), qw, x.dtype))
+        assert torch.equal(got[False].view(1, -1), gemv_gguf(x.view(1, 512), None, qw))
+    assert not torch.equal(got[True], got[False])
 
 
 @pytest.mark.slow
 def test_accepts_and_the_dispatch(monkeypatch):
-    """On unless POLYFUSE_GGUF_A8=0; on, one-row GGUF linear_q, swiglu_linear_q and add_rms_norm_linear_q (the gemv_q
+    """On unless the option gguf_a8 is off; on, one-row GGUF linear_q, swiglu_linear_q and add_rms_norm_linear_q (the gemv_q
     implementations) run the A8 kernel and give its numbers; other formats, Q8_0 / Q4_0 rows of an odd number of
     blocks, several rows and an up of another dtype are declined to the float-activation GEMV; off, every call."""
-    from polyfuse.backends.triton import norm_gemv, quant_gemv
+    from polyfuse.backends.triton.quant import gemv_q, norm_gemv_q
     from polyfuse.backends.triton.swiglu import swiglu_forward
 
     qw = qf.quantize("gguf_q5_k", torch.randn(48, 512) * 0.05)
     x = torch.randn(1, 512)
-    monkeypatch.setattr(ga8, "ENABLED", False)
-    assert not ga8.accepts(x, qw)
-    assert norm_gemv.accepts_add_rms_norm_linear_q(x, x, torch.rand(512), 1e-6, qw) is not None
-    monkeypatch.setattr(ga8, "ENABLED", True)
+    assert not ga8.accepts(x, qw, options=OFF)
+    assert norm_gemv_q.accepts_add_rms_norm_linear_q(x, x, torch.rand(512), 1e-6, qw, options=OFF) is not None
     assert ga8.accepts(x, qw) and ga8.accepts(x[:, :256].bfloat16(), qf.quantize("gguf_q4_k", torch.randn(8, 256)))
     for fmt in ("gguf_q6_k", "gguf_q8_0", "gguf_q4_0", "gguf_q4_1"):
         assert ga8.accepts(x, qf.quantize(fmt, torch.randn(48, 512)))
@@ -238,17 +238,17 @@ def test_accepts_and_the_dispatch(monkeypatch):
     gate, up = torch.randn(1, 1, 512), torch.randn(1, 1, 512)
     weight, res = torch.rand(512), torch.randn(1, 1, 512)
     with torch.inference_mode():
-        got = quant_gemv.linear_q(x.view(1, 1, 512), qw)
+        got = gemv_q.linear_q(x.view(1, 1, 512), qw)
         assert torch.equal(got.view(1, -1), real(quantize_row(x, natural=True), qw, x.dtype))
-        got = quant_gemv.swiglu_linear_q(gate, up, qw)
+        got = gemv_q.swiglu_linear_q(gate, up, qw)
         want = real(quantize_row(swiglu_forward(gate, up), natural=True), qw, x.dtype)
         assert torch.equal(got.view(1, -1), want)
-        assert norm_gemv.accepts_add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw) is None
-        out, total = norm_gemv.add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw)
+        assert norm_gemv_q.accepts_add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw) is None
+        out, total = norm_gemv_q.add_rms_norm_linear_q(x.view(1, 1, 512), res, weight, 1e-6, qw)
         xw, dx, rs, r = norm_quantize_row(x, res.view(1, 512), weight, 1e-6, natural=True)
         assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
         assert len(calls) == 3
-        quant_gemv.linear_q(x[:, :480], qf.quantize("gguf_q8_0", torch.randn(48, 480)))
+        gemv_q.linear_q(x[:, :480], qf.quantize("gguf_q8_0", torch.randn(48, 480)))
     assert len(calls) == 3
 
 
@@ -258,11 +258,12 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
     against the native model whose projections get the same int8 activations (benchmarks/harness/act_int8.py): the same tokens,
     each one-row step's logits within float32 rounding."""
     from benchmarks.harness.act_int8 import emulate_int8_activations_
-    from polyfuse.backends.triton import _qgemv
     from polyfuse.models.llama import LlamaForCausalLM
 
-    for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q4_1_a8", "gguf_q8_0_a8"):  # few programs: the interpreter
-        monkeypatch.setitem(_qgemv.TILES, fmt, (64, 256, 1, 1))
+    few = {fmt: {"tile": [64, 256, 1, 1]} for fmt in ("gguf_q4_k_a8", "gguf_q5_k_a8", "gguf_q4_1_a8", "gguf_q8_0_a8")}
+    ctx = SelectionContext(
+        torch.device("cpu"), flags={"tile_configs": tile_options(tmp_path / "tiles", **few).tile_configs}
+    )
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
     types = {"q_proj": "Q5_K", "k_proj": "Q5_K", "v_proj": "Q5_K", "o_proj": "Q4_K", "gate_proj": "Q4_1",
@@ -275,10 +276,9 @@ def test_tiny_gguf_decode_equals_the_native_model_on_the_same_int8_activations(t
     runs, steps = {}, {}
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
-        monkeypatch.setattr(ga8, "ENABLED", name == "a8")
-        if name == "a8":
+        if name == "a8":  # few programs a launch (tile_configs): the interpreter
             for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
-                setattr(model.kernels, op, registry.bound(op, "gemv_q"))
+                setattr(model.kernels, op, registry.bound(op, "gemv_q", ctx))
         else:
             emulate_int8_activations_(model)
         steps[name] = record_last_logits_(model)
@@ -297,12 +297,16 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
     (the 10-row prompt in launches of 8 and 2 rows, every 2-row step) against the native model fed the same int8
     activations: the same tokens, the logits within float32 rounding."""
     from benchmarks.harness.act_int8 import emulate_int8_activations_
-    from polyfuse.backends.triton import _qgemv
     from polyfuse.models.llama import LlamaForCausalLM
 
-    for fmt in ("gguf_q4_k_a8", "gguf_q6_k_a8", "gguf_q4_0_a8", "gguf_q8_0_a8"):  # few programs: the interpreter
-        for m in (2, 8):
-            monkeypatch.setitem(_qgemv.ROW_TILES, (fmt, m), (16, 256, 1, 1))
+    def few(entry):  # few programs a launch: the interpreter
+        return {**entry, "rows": {**entry.get("rows", {}), "2": [16, 256, 1, 1], "8": [16, 256, 1, 1]}}
+
+    fmts = ("gguf_q4_k_a8", "gguf_q6_k_a8", "gguf_q4_0_a8", "gguf_q8_0_a8")
+    ctx = SelectionContext(
+        torch.device("cpu"),
+        flags={"tile_configs": tile_options(tmp_path / "tiles", **dict.fromkeys(fmts, few)).tile_configs},
+    )
     monkeypatch.setattr(ga8, "MAX_ROWS", 16)  # the 10-row prompt too, as two launches (8 + 2 rows)
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=301)  # fmt: skip
@@ -318,8 +322,8 @@ def test_tiny_gguf_batch_decode_equals_the_native_model_on_the_same_int8_activat
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", quant="gguf")
         if name == "a8":
             k = model.kernels
-            k.linear_q = registry.bound("linear_q", "gemm_q")
-            k.swiglu_linear_q = registry.bound("swiglu_linear_q", "gemm_q")
+            k.linear_q = registry.bound("linear_q", "gemm_q", ctx)
+            k.swiglu_linear_q = registry.bound("swiglu_linear_q", "gemm_q", ctx)
             norm, add_norm, lin = k.rms_norm, k.add_rms_norm, k.linear_q
 
             def norm_linear(x, residual, weight, eps, qweight, bias=None, norm=norm, add_norm=add_norm, lin=lin):

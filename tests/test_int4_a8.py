@@ -1,6 +1,6 @@
-"""The opt-in W4A8 one-row int4 GEMV (POLYFUSE_INT4_A8=1): int8 activations in blocks of 32 (polyfuse/ops/act_int8.py)
-written by three kernels (backends/triton/act_int8.py: a plain row, SwiGLU, add + RMSNorm), and the GEMV on integer
-dot products (backends/triton/gemv_gptq_a8.py). The quantized bytes are compared with the torch reference bit for
+"""The opt-in W4A8 one-row int4 GEMV (the kernel option ``int4_a8``): int8 activations in blocks of 32 (polyfuse/ops/act_int8.py)
+written by three kernels (backends/triton/quant/act_int8.py: a plain row, SwiGLU, add + RMSNorm), and the GEMV on integer
+dot products (backends/triton/quant/gemv_int4_a8.py). The quantized bytes are compared with the torch reference bit for
 bit, the GEMV with the float64 product of the dequantized weight and the dequantized activations, and a tiny int4
 model's decode with the native model whose projections see the same quantized activations."""
 
@@ -9,20 +9,23 @@ import dataclasses
 import pytest
 import torch
 from helpers import one_thread, record_last_logits_, tiny_config  # noqa: F401  (one_thread: autouse fixture)
-from quant_cases import act_order, quantized
+from quant_cases import act_order, no_prefetch, quantized
 
 from polyfuse.core import registry
+from polyfuse.core.context import SelectionContext
+from polyfuse.core.kernel_options import KernelOptions
 from polyfuse.ops import quant_formats as qf
 from polyfuse.ops.act_int8 import dequantize_act_int8, quantize_act_int8
 
 
 pytest.importorskip("triton")
 
-from polyfuse.backends.triton import gemv_gptq_a8 as a8  # noqa: E402
-from polyfuse.backends.triton.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
+from polyfuse.backends.triton.quant import gemv_int4_a8 as a8  # noqa: E402
+from polyfuse.backends.triton.quant.act_int8 import norm_quantize_row, quantize_row  # noqa: E402
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+ON = KernelOptions(int4_a8=True)
 
 
 def words_of(q: torch.Tensor) -> torch.Tensor:
@@ -95,13 +98,12 @@ def reference(x, qw, bias=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_gemv_against_the_reference(device):
+def test_gemv_against_the_reference(device, tmp_path):
     """Group sizes 32 / 64 / 128 / all of K, K split 1 to 5 ways (partial groups in a split), N not a multiple of
     the column block or a multiple (the unmasked loop), bias, tiles of 1..2 blocks of 32 along K, weights loaded before the PDL wait or not (the same bits):
     within 1e-5 of the largest output of the float64 reference (the integer dot products are exact; the zero-point
-    term cancels a few bits of float32, as in gemv_gptq.py). A zero point off by one moves it 100x past that."""
-    from polyfuse.backends.triton import _qgemv
-
+    term cancels a few bits of float32, as in gemv_int4.py). A zero point off by one moves it 100x past that."""
+    late = no_prefetch(tmp_path)
     gen = torch.Generator().manual_seed(2)
     for n, k, g, tiles in ((40, 1056, 128, (16, 64, 1, 2)), (72, 512, 64, (32, 32, 2, 2)), (16, 384, 32, None),
                            (24, 288, 288, (8, 8, 1, 1)), (64, 512, 128, (32, 64, 1, 2))):  # fmt: skip
@@ -115,13 +117,8 @@ def test_gemv_against_the_reference(device):
         want = reference(x, qw, bias)
         for split in (1, 2, 5):
             with torch.inference_mode():
-                got = a8.gemv_gptq_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
-                early = _qgemv.PREFETCH
-                _qgemv.PREFETCH = not early
-                try:
-                    other = a8.gemv_gptq_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
-                finally:
-                    _qgemv.PREFETCH = early
+                got = a8.gemv_int4_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split)
+                other = a8.gemv_int4_a8(xq, qw, torch.float32, bias, tiles=tiles, split=split, options=late)
             err = (got.double() - want).abs().max().item()
             assert err <= 1e-5 * want.abs().max().item(), (n, k, g, split, err)
             assert torch.equal(got, other), (n, k, split)
@@ -132,47 +129,44 @@ def test_gemv_against_the_reference(device):
 
 
 def test_accepts_and_the_dispatch(monkeypatch):
-    """Off by default; with it on, one-row int4 linear_q / swiglu_linear_q / add_rms_norm_linear_q (the gemv_q
+    """Off by default; with the option on, one-row int4 linear_q / swiglu_linear_q / add_rms_norm_linear_q (the gemv_q
     implementations) go through the W4A8 kernel and give its numbers; act-order, no group, groups or K not a multiple
     of 32 are declined to the bf16-activation GEMV."""
-    from polyfuse.backends.triton import norm_gemv, quant_gemv
+    from polyfuse.backends.triton.quant import gemv_q, norm_gemv_q
 
     qw = quantized("int4", 48, 256, "cpu")
     x = torch.randn(1, 256)
-    monkeypatch.setattr(a8, "ENABLED", False)
     assert not a8.accepts(x, qw)
-    monkeypatch.setattr(a8, "ENABLED", True)
-    assert a8.accepts(x, qw) and a8.accepts(x.bfloat16(), qw)
-    assert not a8.accepts(x, act_order(qw))
-    assert not a8.accepts(x, dataclasses.replace(qw, group_size=0))
-    assert not a8.accepts(x, dataclasses.replace(qw, group_size=16))  # a group must hold whole blocks of 32
-    assert a8.accepts(x, dataclasses.replace(qw, group_size=256))  # one group over K
-    assert not a8.accepts(torch.randn(1, 264), quantized("int4", 48, 264, "cpu"))  # K not a multiple of 32
-    assert not a8.accepts(torch.randn(2, 256), qw)  # one row only
-    assert not a8.accepts(x, qw, up=torch.randn(1, 256).bfloat16())  # up of another dtype
+    assert a8.accepts(x, qw, options=ON) and a8.accepts(x.bfloat16(), qw, options=ON)
+    assert not a8.accepts(x, act_order(qw), options=ON)
+    assert not a8.accepts(x, dataclasses.replace(qw, group_size=0), options=ON)
+    assert not a8.accepts(x, dataclasses.replace(qw, group_size=16), options=ON)  # a group holds whole blocks of 32
+    assert a8.accepts(x, dataclasses.replace(qw, group_size=256), options=ON)  # one group over K
+    assert not a8.accepts(torch.randn(1, 264), quantized("int4", 48, 264, "cpu"), options=ON)  # K not a multiple of 32
+    assert not a8.accepts(torch.randn(2, 256), qw, options=ON)  # one row only
+    assert not a8.accepts(x, qw, up=torch.randn(1, 256).bfloat16(), options=ON)  # up of another dtype
     with pytest.raises(ValueError, match="one row"):
         quantize_row(torch.randn(2, 256))
-    assert not a8.accepts(x, quantized("int8", 48, 256, "cpu"))
+    assert not a8.accepts(x, quantized("int8", 48, 256, "cpu"), options=ON)
     calls = []
-    real = a8.gemv_gptq_a8
-    monkeypatch.setattr(a8, "gemv_gptq_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = a8.gemv_int4_a8
+    monkeypatch.setattr(a8, "gemv_int4_a8", lambda *a, **k: calls.append(1) or real(*a, **k))
     gate, up = torch.randn(1, 1, 256), torch.randn(1, 1, 256)
     weight, res = torch.rand(256), torch.randn(1, 1, 256)
     with torch.inference_mode():
-        got = quant_gemv.linear_q(x.view(1, 1, 256), qw)
+        got = gemv_q.linear_q(x.view(1, 1, 256), qw, options=ON)
         assert torch.equal(got.view(1, -1), real(quantize_row(x), qw, x.dtype))
         from polyfuse.backends.triton.swiglu import swiglu_forward
 
-        got = quant_gemv.swiglu_linear_q(gate, up, qw)
+        got = gemv_q.swiglu_linear_q(gate, up, qw, options=ON)
         assert torch.equal(got.view(1, -1), real(quantize_row(swiglu_forward(gate, up)), qw, x.dtype))
-        out, total = norm_gemv.add_rms_norm_linear_q(x.view(1, 1, 256), res, weight, 1e-6, qw)
+        out, total = norm_gemv_q.add_rms_norm_linear_q(x.view(1, 1, 256), res, weight, 1e-6, qw, options=ON)
         xw, dx, rs, r = norm_quantize_row(x, res.view(1, 256), weight, 1e-6)
         assert torch.equal(out.view(1, -1), real((xw, dx, rs), qw, x.dtype)) and torch.equal(total.view(1, -1), r)
     assert len(calls) == 3
     with torch.inference_mode():
-        quant_gemv.linear_q(x, act_order(qw))
-        monkeypatch.setattr(a8, "ENABLED", False)
-        quant_gemv.linear_q(x, qw)
+        gemv_q.linear_q(x, act_order(qw), options=ON)
+        gemv_q.linear_q(x, qw)  # the option off (its default)
     assert len(calls) == 3
     assert registry.bound("linear_q", "gemv_q")  # the implementation name the model binds below
 
@@ -191,16 +185,16 @@ def test_tiny_model_decode_equals_the_native_model_on_the_same_int8_activations(
     ids = torch.randint(10, 300, (1, 7), generator=torch.Generator().manual_seed(7))
 
     calls = []
-    real = a8.gemv_gptq_a8
-    monkeypatch.setattr(a8, "gemv_gptq_a8", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    real = a8.gemv_int4_a8
+    monkeypatch.setattr(a8, "gemv_int4_a8", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     runs = {}
     steps = {}
     for name in ("a8", "emulated"):
         model = LlamaForCausalLM.from_pretrained(str(tmp_path), quant="int4")
-        monkeypatch.setattr(a8, "ENABLED", name == "a8")
-        if name == "a8":
+        if name == "a8":  # the model's kernels with the option on (a CPU run's own resolve picks no gemv_q)
+            ctx = SelectionContext(torch.device("cpu"), flags={"int4_a8": True})
             for op in ("linear_q", "swiglu_linear_q", "add_rms_norm_linear_q"):
-                setattr(model.kernels, op, registry.bound(op, "gemv_q"))
+                setattr(model.kernels, op, registry.bound(op, "gemv_q", ctx))
         else:  # the native kernels (this CPU run's), every int4 projection fed int8 activations
             emulate_int8_activations_(model)
         steps[name] = record_last_logits_(model)

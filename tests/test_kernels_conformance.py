@@ -11,6 +11,7 @@ Tolerances (outputs compared with the native reference run in the same dtype; a 
 The fused kernels round once where the native bf16 path rounds after every op, so they differ by about an ulp.
 """
 
+import json
 import math
 from types import SimpleNamespace
 
@@ -24,6 +25,7 @@ from quant_cases import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyfuse.core import registry
+from polyfuse.core.context import SelectionContext
 from polyfuse.ops.attention import AttentionMeta, cache_mask
 
 
@@ -56,29 +58,29 @@ REF_IN_FLOAT32_IMPLS = {
     ("swiglu_linear", "triton_recompute"), ("linear_q", "gemv_q"), ("swiglu_linear_q", "gemv_q"),
     ("add_rms_norm_linear_q", "gemv_q"),
 }  # fmt: skip
-# The int4 GEMM for 2..16 rows (gemv_gptq_mma.py: tensor-core products of the packed nibbles, scaled per group in
+# The int4 GEMM for 2..16 rows (gemm_int4_mma.py: tensor-core products of the packed nibbles, scaled per group in
 # float32) does not round the dequantized weight either: the cases it takes (int4 in-order groups, up to 16 rows)
 # take the same reference.
 REF_IN_FLOAT32_INT4 = {("linear_q", "gemm_q")}
 
 
 def _int4_mma_takes(make) -> bool:
-    from polyfuse.backends.triton import gemv_gptq_mma
+    from polyfuse.backends.triton.quant import gemm_int4_mma
 
     (x, qweight, *_), _, _ = make()
-    return qweight.format == "int4" and gemv_gptq_mma.accepts(x.reshape(-1, x.shape[-1]), None, qweight)
+    return qweight.format == "int4" and gemm_int4_mma.accepts(x.reshape(-1, x.shape[-1]), None, qweight)
 
 
 # ... except the SwiGLU GEMV, which rounds silu(gate) * up to the activations' dtype as the unfused path stores it
-# (backends/triton/_qgemv.py load_x) and only then multiplies in float32: its reference does the same (the float32
+# (backends/triton/quant/gemv_common.py load_x) and only then multiplies in float32: its reference does the same (the float32
 # SwiGLU differs from it by one rounding of each of I = 14336 inputs, which moved 1 of 4096 bf16 outputs of the
 # fp8_block case past the bound on an H200; a CPU emulation of the kernel's arithmetic showed the same for
 # every format, and none against this reference).
-# The weights the GEMV takes after SwiGLU's own kernel instead (quant_gemv.paired: int4) get that kernel's rounding:
+# The weights the GEMV takes after SwiGLU's own kernel instead (gemv_q.paired: int4) get that kernel's rounding:
 # silu(gate) * up in float32, rounded once (against the twice-rounded native SwiGLU, 29 of 4096 outputs of the int4
 # I = 4096 case were past the bound on an H200).
 def _swiglu_rounded_linear_q_f32(gate, up, qweight, bias=None):
-    from polyfuse.backends.triton.quant_gemv import paired
+    from polyfuse.backends.triton.quant.gemv_q import paired
     from polyfuse.ops.quant_linear import linear_q_native
     from polyfuse.ops.swiglu import swiglu_native
 
@@ -101,7 +103,7 @@ def _swiglu_rounded_linear_f32(gate, up, weight, bias=None):
     return torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float()).to(gate.dtype)
 
 
-# add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py) is the norm's kernel, which stores the normalized row in
+# add_rms_norm_linear_q's one-row int4 pair (norm_gemv_q.py) is the norm's kernel, which stores the normalized row in
 # the activations' dtype as the native op does, then that GEMV: the same reference, with the native norm in front
 # (against the wholly native op, 5-7 of 4096 outputs of the K = 14336 int4 cases were past the bound on an H200:
 # the weight's rounding to the activations' dtype, as for linear_q:gemv_q).
@@ -117,7 +119,7 @@ def _norm_rounded_linear_q_f32(x, residual, weight, eps, qweight, bias=None):
     return linear_q_native(y.float(), qweight, None if bias is None else bias.float()).to(y.dtype), r
 
 
-# The GGUF one-row GEMVs run on int8 activations (POLYFUSE_GGUF_A8, backends/triton/gemv_gguf_a8.py): their reference
+# The GGUF one-row GEMVs run on int8 activations (the kernel option gguf_a8, on by default; quant/gemv_gguf_a8.py): their reference
 # is the op on the activations the kernel multiplies (quantized in blocks of 32 and back, ops/act_int8.py), in float32
 # and rounded once (SwiGLU's product rounded first, the norm native), where that kernel takes the call.
 def _a8_linear_q(x, qweight, bias=None):
@@ -148,9 +150,9 @@ def _a8_case(op, impl_name, make) -> bool:
     """Whether gemv_q's call (one row) or gemm_q's (2..MAX_ROWS rows) runs a GGUF GEMV on int8 activations."""
     if impl_name not in ("gemv_q", "gemm_q") or op not in A8_REF:
         return False
-    from polyfuse.backends.triton import gemv_gguf_a8
+    from polyfuse.backends.triton.quant import gemv_gguf_a8
 
-    args, _, _ = make()
+    args, _, _ = make()  # (the default options: gguf_a8 on)
     _, xi, wi = A8_REF[op]
     takes = gemv_gguf_a8.accepts if impl_name == "gemv_q" else gemv_gguf_a8.accepts_rows
     return takes(args[xi], args[wi], args[1] if op == "swiglu_linear_q" else None)
@@ -280,14 +282,25 @@ def _cases_rotary(device, dtype, big):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _small_gemv_table(monkeypatch):
-    """Small tuned shapes for the GEMV, so the interpreter runs its kernel (with masked and unmasked K tiles)."""
-    from polyfuse.backends.cuda import gemv_table as gemv
+SMALL_GEMV = {
+    "linear": {"40,1030": [8, 256, 4, 1], "40,96": [16, 32, 4, 1]},
+    "swiglu_linear": {"20,129": [4, 64, 4, 1]},
+}
 
-    table = dict(gemv.TABLE)
-    table.update({(40, 1030, False): (8, 256, 4, 1), (40, 96, False): (16, 32, 4, 1), (20, 129, True): (4, 64, 4, 1)})
-    monkeypatch.setattr(gemv, "TABLE", table)
+
+@pytest.fixture(scope="module")
+def run_ctx(tmp_path_factory):
+    """The selection context the implementations are bound in: its tile_configs folder adds small shapes to this
+    machine's GEMV table (on the CPU an empty one), so the interpreter runs the GEMV's kernel (with masked and
+    unmasked K tiles); on a GPU the tuned shapes stay."""
+    from polyfuse.backends.triton import tuned
+
+    base = tuned.table("gemv", tuned.gpu_name("cuda") if torch.cuda.is_available() else "")
+    folder = tmp_path_factory.mktemp("tile_configs")
+    (folder / "gemv").mkdir()
+    table = {op: {**base.get(op, {}), **shapes} for op, shapes in SMALL_GEMV.items()}
+    (folder / "gemv" / "default.json").write_text(json.dumps(table))
+    return SelectionContext(torch.device("cpu"), flags={"tile_configs": str(folder)})
 
 
 def _cases_linear(device, dtype, big):
@@ -659,7 +672,7 @@ def _run(fn, make, backward, cast_to=None, side=None):
     return outs, grads
 
 
-def _check_impl(op, impl_name, device, dtype, monkeypatch):
+def _check_impl(op, impl_name, device, dtype, monkeypatch, ctx):
     if device == "cpu" and op == "attention" and dtype == torch.float16:
         pytest.skip("CPU SDPA/matmul in float16 is too slow/unsupported to be meaningful")
     if device == "cpu" and impl_name in ("scaled_mm", "fp8_scaled_mm"):
@@ -681,6 +694,7 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
             upcast = (op, dtype) in REF_IN_FLOAT32 or (op, impl_name) in REF_FN  # where REF_FN is the arithmetic
         if upcast and (op, dtype) not in REF_IN_FLOAT32 and impl.accepts is not None:
             args, kwargs, _ = make()  # a case the implementation declines runs the native op in the inputs' dtype
+            kwargs = {**kwargs, "options": ctx.options} if impl.options else kwargs
             upcast = impl.accepts(*args, **kwargs) is None
         if _a8_case(op, impl_name, make):
             ref_outs, ref_grads = _run(A8_REF[op][0], make, impl.supports_backward, side=side)
@@ -695,7 +709,7 @@ def _check_impl(op, impl_name, device, dtype, monkeypatch):
         with monkeypatch.context() as m:
             if impl.name != registry.NATIVE:
                 Poison(m)
-            outs, grads = _run(registry.bound(op, impl_name), make, impl.supports_backward, side=side)
+            outs, grads = _run(registry.bound(op, impl_name, ctx), make, impl.supports_backward, side=side)
         assert len(outs) == len(ref_outs), f"{case_id}: {len(outs)} outputs, reference has {len(ref_outs)}"
         for i, (o, r) in enumerate(zip(outs, ref_outs)):
             assert o.device == r.device
@@ -715,8 +729,8 @@ SLOW_PARAMS = (":gemv_q-", ":dequant_mm-", "add_rms_norm_linear_q:native-")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op,impl_name", _impl_params())
-def test_conformance(op, impl_name, device, dtype, monkeypatch):
-    _check_impl(op, impl_name, device, dtype, monkeypatch)
+def test_conformance(op, impl_name, device, dtype, monkeypatch, run_ctx):
+    _check_impl(op, impl_name, device, dtype, monkeypatch, run_ctx)
 
 
 # ---- targeted tests -----------------------------------------------------------------------------------------------
@@ -863,18 +877,23 @@ def test_rotary_kv_write_falls_back_with_one_warning_on_a_cache_it_cannot_take(c
     assert len(caplog.records) == 1 and "not contiguous" in caplog.records[0].getMessage()
 
 
-def test_gemv_runs_on_tuned_shapes_only(monkeypatch):
-    """The linear ops' CUDA implementation must really take the GEMV on its tuned shapes (and only there)."""
+def test_gemv_runs_on_tuned_shapes_only(monkeypatch, tmp_path):
+    """The linear ops' tuned GEMV must really take the GEMV on its tuned shapes (and only there): the shapes of a
+    run's tile_configs table."""
     pytest.importorskip("triton")
-    from polyfuse.backends.cuda import gemv_table
     from polyfuse.backends.triton import gemv as kernel
 
     calls = []
     real = kernel.gemv
     monkeypatch.setattr(kernel, "gemv", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    monkeypatch.setattr(gemv_table, "TABLE", {(24, 40, False): (8, 16, 4, 1), (24, 40, True): (16, 32, 4, 1)})
-    g = SimpleNamespace(linear=registry.bound("linear", "triton_gemv"),
-                        swiglu_linear=registry.bound("swiglu_linear", "triton_gemv"))  # fmt: skip
+    (tmp_path / "gemv").mkdir()
+    table = {"linear": {"24,40": [8, 16, 4, 1]}, "swiglu_linear": {"24,40": [16, 32, 4, 1]}}
+    (tmp_path / "gemv" / "default.json").write_text(json.dumps(table))
+    ctx = SelectionContext(torch.device("cpu"), flags={"tile_configs": str(tmp_path)})
+    g = SimpleNamespace(linear=registry.bound("linear", "triton_gemv", ctx),
+                        swiglu_linear=registry.bound("swiglu_linear", "triton_gemv", ctx))  # fmt: skip
+    assert registry.bound("linear", "triton_gemv")(torch.randn(1, 40), torch.randn(24, 40)) is not None
+    assert calls == []  # without the table: the shape is not tuned for this machine, F.linear ran
     gen = torch.Generator().manual_seed(0)
     x, up, w = (
         torch.randn(1, 1, 40, generator=gen),

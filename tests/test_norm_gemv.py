@@ -1,4 +1,4 @@
-"""The one-row int4 pairs (backends/triton/norm_gemv.py; quant_gemv.py PAIRED): the norm's kernel, or SwiGLU's,
+"""The one-row int4 pairs (backends/triton/quant/norm_gemv_q.py; gemv_q.py PAIRED): the norm's kernel, or SwiGLU's,
 lets the int4 GEMV launch before it waits for the kernel before it. The arithmetic is the composite's: the same two
 kernels, so the same bits (the Triton interpreter here; PDL itself only on a GPU, where the greedy tokens are
 compared with PDL off)."""
@@ -6,9 +6,10 @@ compared with PDL off)."""
 import pytest
 import torch
 from helpers import one_thread  # noqa: F401  (autouse fixture)
+from quant_cases import no_prefetch
 
-from polyfuse.backends.triton import norm_gemv, quant_gemv
 from polyfuse.backends.triton.add_rms_norm import add_rms_norm
+from polyfuse.backends.triton.quant import gemv_q, norm_gemv_q
 from polyfuse.backends.triton.rms_norm import rms_norm
 from polyfuse.backends.triton.swiglu import swiglu
 from polyfuse.core import registry
@@ -32,12 +33,12 @@ def _inputs(k=256, n=96, dtype=torch.bfloat16, seed=0):
 def test_norm_pair_is_the_composite_bit_for_bit(dtype, with_res):
     x, res, w, qw, bias = _inputs(dtype=dtype)
     with torch.inference_mode():
-        y, r = norm_gemv.add_rms_norm_linear_q(x, res if with_res else None, w, 1e-5, qw, bias)
+        y, r = norm_gemv_q.add_rms_norm_linear_q(x, res if with_res else None, w, 1e-5, qw, bias)
         if with_res:
             normed, r_ref = add_rms_norm(x, res, w, 1e-5)
         else:
             normed, r_ref = rms_norm(x, w, 1e-5), x
-        y_ref = quant_gemv.linear_q(normed, qw, bias)
+        y_ref = gemv_q.linear_q(normed, qw, bias)
     assert torch.equal(y, y_ref) and torch.equal(r, r_ref)  # torch.equal ignores dtype: checked apart
     assert (y.dtype, r.dtype) == (y_ref.dtype, r_ref.dtype) and y.shape == (1, 1, 96) and r.shape == x.shape
 
@@ -47,8 +48,8 @@ def test_swiglu_pair_is_the_composite_bit_for_bit():
     gate, up = (torch.randn(1, 384, generator=g).to(torch.bfloat16) for _ in range(2))
     qw = quantize("int4", torch.randn(64, 384, generator=g) * 0.05)
     with torch.inference_mode():
-        got = quant_gemv.swiglu_linear_q(gate, up, qw)
-        want = quant_gemv.linear_q(swiglu(gate, up), qw)
+        got = gemv_q.swiglu_linear_q(gate, up, qw)
+        want = gemv_q.linear_q(swiglu(gate, up), qw)
     assert torch.equal(got, want) and got.dtype == want.dtype
 
 
@@ -77,43 +78,43 @@ def test_the_pairs_launch_the_small_kernels_early(monkeypatch):
     monkeypatch.setattr(swiglu_mod, "_swiglu_fwd_kernel", swiglu_spy)
     x, res, w, qw, bias = _inputs()
     with torch.inference_mode():
-        norm_gemv.add_rms_norm_linear_q(x, res, w, 1e-5, qw, bias)
-        norm_gemv.add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias)
+        norm_gemv_q.add_rms_norm_linear_q(x, res, w, 1e-5, qw, bias)
+        norm_gemv_q.add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias)
         add_rms_norm(x, res, w, 1e-5)
-        quant_gemv.swiglu_linear_q(x, res, qw)
+        gemv_q.swiglu_linear_q(x, res, qw)
         swiglu(x, res)
     assert norm_spy.early == [True, True, False] and swiglu_spy.early == [True, False]
 
 
-def test_no_pair_where_the_gemv_loads_nothing_early(monkeypatch):
-    """Act-order int4 (its groups gathered per weight) and POLYFUSE_GEMV_PREFETCH=0 load no weights before the wait:
-    the pairs decline there (the composite's order, as for int8 / fp8)."""
+def test_no_pair_where_the_gemv_loads_nothing_early(tmp_path):
+    """Act-order int4 (its groups gathered per weight) and a tile table whose int4 prefetch_regs is 0 load no weights
+    before the wait: the pairs decline there (the composite's order, as for int8 / fp8)."""
     import dataclasses
 
-    from polyfuse.backends.triton import _qgemv
-
+    late = no_prefetch(tmp_path)
     x, res, w, qw, bias = _inputs()
     with torch.inference_mode():
-        assert quant_gemv.paired(qw)
+        assert gemv_q.paired(qw)
         act = dataclasses.replace(qw, act_order=True)
-        assert not quant_gemv.paired(act)
-        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, act)
-        monkeypatch.setattr(_qgemv, "PREFETCH", False)
-        assert not quant_gemv.paired(qw)
-        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw)
+        assert not gemv_q.paired(act)
+        assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, act)
+        assert not gemv_q.paired(qw, late)
+        assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw, options=late)
 
 
 def test_the_pair_takes_one_row_of_int4_in_inference_only():
     x, res, w, qw, bias = _inputs()
     with torch.inference_mode():
-        assert norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw) is None
-        assert norm_gemv.accepts_add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias) is None
+        assert norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, qw) is None
+        assert norm_gemv_q.accepts_add_rms_norm_linear_q(x, None, w, 1e-5, qw, bias) is None
         fp8 = quantize("fp8", torch.randn(96, 256) * 0.05)
-        assert "loads no weights" in norm_gemv.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, fp8)
+        assert "loads no weights" in norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w, 1e-5, fp8)
         two = torch.cat([x, x], dim=1)
-        assert norm_gemv.accepts_add_rms_norm_linear_q(two, torch.cat([res, res], 1), w, 1e-5, qw) is not None
-    assert norm_gemv.accepts_add_rms_norm_linear_q(x, res, w.requires_grad_(), 1e-5, qw) == "needs gradients"
-    assert norm_gemv.accepts_add_rms_norm_linear_q(x, res.requires_grad_(), w.detach(), 1e-5, qw) == "needs gradients"
+        assert norm_gemv_q.accepts_add_rms_norm_linear_q(two, torch.cat([res, res], 1), w, 1e-5, qw) is not None
+    assert norm_gemv_q.accepts_add_rms_norm_linear_q(x, res, w.requires_grad_(), 1e-5, qw) == "needs gradients"
+    assert (
+        norm_gemv_q.accepts_add_rms_norm_linear_q(x, res.requires_grad_(), w.detach(), 1e-5, qw) == "needs gradients"
+    )
 
 
 def test_registry_puts_the_pair_first_for_one_row_and_yields_to_the_runs_norm():
@@ -130,7 +131,7 @@ def test_registry_puts_the_pair_first_for_one_row_and_yields_to_the_runs_norm():
 
 
 @pytest.mark.cuda
-def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
+def test_int4_batch_one_tokens_with_and_without_pdl():
     """On a Hopper GPU: a random int4 model's greedy tokens at batch 1 (the pairs run at every layer) with PDL on
     equal those with it off, graphed."""
     from helpers import tiny_config
@@ -142,14 +143,11 @@ def test_int4_batch_one_tokens_with_and_without_pdl(monkeypatch):
         pytest.skip("programmatic dependent launch needs an NVIDIA GPU of compute capability 9.0 and Triton 3.4+")
     cfg = tiny_config(hidden_size=256, intermediate_size=512)
     ids = torch.randint(10, 300, (1, 12), generator=torch.Generator().manual_seed(1)).cuda()
-    flags = {"use_flash_attention": True, "use_cuda_graphs": True}
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(_pdl, "ENABLED", on)
-        _pdl._supported.cache_clear()
+        flags = {"use_flash_attention": True, "use_cuda_graphs": True, "pdl": on}
         model = LlamaForCausalLM.from_config(cfg, dtype=torch.bfloat16, device="cuda", flags=flags, quant="int4")
         for op in ("add_rms_norm_linear_q", "swiglu_linear_q"):
             assert model.kernels.choices[op].implementation.name == "gemv_q", op
         out[on] = model.generate(ids, max_new_tokens=24, ignore_eos=True)
-    _pdl._supported.cache_clear()
     assert torch.equal(out[True], out[False])

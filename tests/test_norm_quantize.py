@@ -1,5 +1,5 @@
 """The layer's norm fused with the fp8 projection's per-token quantization (``add_rms_norm_linear_q``,
-backends/triton/norm_quantize.py): the same bytes as the norm kernel followed by the quantizing kernel, and in a
+backends/triton/quant/norm_fp8_scaled_mm.py): the same bytes as the norm kernel followed by the quantizing kernel, and in a
 model the same logits as the two ops; the conformance suite checks the op against its native reference."""
 
 import pytest
@@ -26,9 +26,9 @@ def test_norm_kernel_quantizes_what_the_two_kernels_write(m, h, with_res):
     Triton norm's output, bit for bit under the interpreter, and the residual sum equals the norm kernel's. On the GPU
     (the 8B / 70B prefill shapes too) the two kernels add a row's squares in another order, so a rare normalized value
     may round the other way: at most 0.1% of the codes and one bf16 rounding of a scale."""
-    from polyfuse.backends.triton.norm_quantize import add_rms_norm_quantize
+    from polyfuse.backends.triton.quant.fp8_scaled_mm import quantize_rows
+    from polyfuse.backends.triton.quant.norm_fp8_scaled_mm import add_rms_norm_quantize
     from polyfuse.backends.triton.rms_norm import rms_norm_forward
-    from polyfuse.backends.triton.scaled_mm import quantize_rows
 
     gen = torch.Generator().manual_seed(m + h)
     x = (torch.randn(m, h, generator=gen) * 3).bfloat16()
@@ -53,7 +53,7 @@ def test_norm_kernel_quantizes_what_the_two_kernels_write(m, h, with_res):
 
 
 def test_accepts_what_the_fused_prefill_takes():
-    from polyfuse.backends.triton.norm_quantize import accepts_add_rms_norm_linear_q as accepts
+    from polyfuse.backends.triton.quant.norm_fp8_scaled_mm import accepts_add_rms_norm_linear_q as accepts
 
     qw = quantized("fp8", 48, 96, DEV)
     x = torch.randn(2, 40, 96, dtype=torch.bfloat16, device=DEV)
@@ -103,7 +103,7 @@ def test_fp8_prefill_with_the_fused_norm_gives_the_two_ops_logits(tmp_path, fami
     with torch.inference_mode():
         want = model(ids).logits
     fused, calls = registry.bound("add_rms_norm_linear_q", "fp8_scaled_mm"), []
-    from polyfuse.backends.triton.norm_quantize import accepts_add_rms_norm_linear_q
+    from polyfuse.backends.triton.quant.norm_fp8_scaled_mm import accepts_add_rms_norm_linear_q
 
     def spy(*a):
         calls.append(accepts_add_rms_norm_linear_q(*a))

@@ -16,28 +16,29 @@ from polyfuse.backends.triton import _pdl
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = {
-    "gemv": "_gemv_kernel", "gemv_scaled": "_gemv_scaled_kernel", "gemv_gptq": "_gemv_gptq_kernel",
-    "gemv_gguf": "_gemv_gguf_kernel", "rms_norm": "_rms_norm_fwd_kernel", "rotary_kv_write": "_rotary_kv_write_kernel",
+    "gemv": "_gemv_kernel", "quant.gemv_int8_fp8": "_gemv_scaled_kernel", "quant.gemv_int4": "_gemv_gptq_kernel",
+    "quant.gemv_gguf": "_gemv_gguf_kernel", "rms_norm": "_rms_norm_fwd_kernel", "rotary_kv_write": "_rotary_kv_write_kernel",
     "decode_attention": "_decode_kernel", "swiglu": "_swiglu_fwd_kernel",
 }  # fmt: skip
 
 
 def test_pdl_launches_only_in_inference_on_hopper_nvidia_gpus(monkeypatch):
     """launch_pdl under torch.inference_mode on NVIDIA GPUs of compute capability 9.0 and up with a Triton that has
-    PDL; not in training (grad mode), on older GPUs, ROCm, the CPU, under the interpreter, with an older Triton or with
-    POLYFUSE_PDL=0."""
+    PDL; not in training (grad mode), on older GPUs, ROCm, the CPU, under the interpreter, with an older Triton or in a
+    run with the kernel option pdl=False."""
+    from polyfuse.core.kernel_options import KernelOptions
+
     gpu = torch.device("cuda", 0)
 
     def options(interpret=False, enabled=True, has=True, cap=(9, 0), hip=None, device=gpu, inference=True):
         monkeypatch.setattr(_pdl, "INTERPRET", interpret)
-        monkeypatch.setattr(_pdl, "ENABLED", enabled)
         monkeypatch.setattr(_pdl, "TRITON_HAS_PDL", has)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cap)
         monkeypatch.setattr(torch.version, "hip", hip)
         _pdl._supported.cache_clear()
         try:
             with torch.inference_mode(inference):
-                return _pdl.pdl_options(device)
+                return _pdl.pdl_options(device, KernelOptions(pdl=enabled))
         finally:
             _pdl._supported.cache_clear()
 

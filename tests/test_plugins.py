@@ -7,8 +7,9 @@
   ``POLYFUSE_PLUGINS`` selects; pyproject's entry points equal ``plugins.BUILTIN`` (the source-tree fallback);
 * a ROCm GPU (``device.type == "cuda"``) is platform ``rocm``: NVIDIA-only implementations refuse it, and the
   GEMV's tuned tables apply only to the GPU they were measured on;
-* core imports nothing else of polyfuse, ops only core, models never backends, engine neither models nor backends,
-  and the package has no import cycle.
+* every package imports only the layers below it (tests/test_plugins.py ALLOWED, a default rule for a new package),
+  a backend only core, ops and itself, nothing outside the backends names one; the package has no import cycle
+  (searched here, on the source).
 """
 
 import ast
@@ -31,7 +32,6 @@ from polyfuse.core.registry import Implementation
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "out_of_tree_backend"
-IMPORT_CYCLES = ROOT.parent / "shared" / "tools" / "import_cycles.py"
 
 
 @pytest.fixture
@@ -242,13 +242,12 @@ def test_cuda_platform_without_hip(monkeypatch):
         platform._detect.cache_clear()
 
 
-def test_gemv_table_is_per_gpu(monkeypatch):
-    from polyfuse.backends.cuda import gemv_table
+def test_gemv_table_is_per_gpu():
+    from polyfuse.backends.triton.gemv import table_for
 
-    monkeypatch.delenv("POLYFUSE_GEMV_TABLE", raising=False)
-    assert gemv_table.table_for("Some Unknown GPU") == {}
-    assert gemv_table.table_for("") == {}
-    h200 = gemv_table.table_for("NVIDIA H200")
+    assert table_for("Some Unknown GPU") == {}
+    assert table_for("") == {}
+    h200 = table_for("NVIDIA H200")
     assert h200 and (4096, 14336, True) in h200
 
 
@@ -275,55 +274,113 @@ def _file_imports(path: Path) -> set:
     return _imports(path.read_text(encoding="utf-8"), ".".join(path.relative_to(ROOT).parts[:-1]))
 
 
-def _layer_imports(layer: str) -> dict:
-    """{file: polyfuse modules it imports} for every file of ``polyfuse/<layer>``."""
-    files = sorted((ROOT / "polyfuse" / layer).rglob("*.py"))
-    assert files, layer
-    return {
-        str(f.relative_to(ROOT)): {m for m in _file_imports(f) if m == "polyfuse" or m.startswith("polyfuse.")}
-        for f in files
-    }
+def _layer_of(path: Path) -> str:
+    """The package a file of polyfuse/ belongs to (``compat`` for polyfuse/compat.py, ``polyfuse`` for the root)."""
+    rel = path.relative_to(ROOT / "polyfuse").parts
+    return rel[0] if len(rel) > 1 else ("polyfuse" if rel[0] == "__init__.py" else rel[0][:-3])
 
 
-def _within(name: str, *layers: str) -> bool:
-    return any(name == f"polyfuse.{layer}" or name.startswith(f"polyfuse.{layer}.") for layer in layers)
+def _layers() -> dict:
+    """{layer: {file: polyfuse modules it imports}} for every file of polyfuse/."""
+    out: dict = {}
+    for f in sorted((ROOT / "polyfuse").rglob("*.py")):
+        names = {m for m in _file_imports(f) if m == "polyfuse" or m.startswith("polyfuse.")}
+        out.setdefault(_layer_of(f), {})[str(f.relative_to(ROOT))] = names
+    return out
 
 
-def _module_strings(layer: str, prefix: str) -> list:
-    """String constants naming a module under ``prefix`` (what a lazy import by name would take)."""
+def _target(name: str) -> str:
+    """The layer an imported polyfuse module is in."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "polyfuse"
+
+
+# Bottom to top: core < ops < backends (plugins); distributed; checkpoint; quant; generation; loader; models; then
+# patch, training, cli (and serving) on top. Each layer with the layers it may import (itself always): a package
+# not named here gets DEFAULT, so a new one is checked from its first file on.
+LOWER = ("core", "ops", "distributed", "compat")
+ALLOWED = {
+    "polyfuse": (),  # the root imports nothing: its names load on first use
+    "core": (),
+    "compat": (),
+    "ops": ("core",),
+    "backends": ("core", "ops"),
+    "distributed": ("core",),
+    "checkpoint": LOWER,
+    "quant": (*LOWER, "checkpoint"),
+    "generation": (*LOWER, "checkpoint"),
+    "loader": (*LOWER, "checkpoint", "quant"),
+    "models": (*LOWER, "checkpoint", "quant", "generation", "loader"),
+}
+UPPER = ("checkpoint", "quant", "generation", "loader", "models")
+TOP = {  # the integrations on top: anything but a backend by name, and not the layers above them
+    "patch": (*LOWER, *UPPER),
+    "training": (*LOWER, *UPPER, "patch"),
+    "cli": (*LOWER, *UPPER, "patch", "training"),
+}
+DEFAULT = ("polyfuse", *LOWER, *UPPER, "patch", "training", "cli")  # e.g. serving: all but backends
+
+
+def allowed_for(layer: str) -> set:
+    return {layer, *ALLOWED.get(layer, TOP.get(layer, DEFAULT))}
+
+
+def test_layering():
+    """Every import of every file (also inside functions) points to a layer its own may import."""
+    layers = _layers()
+    assert {"core", "ops", "backends", "models", "cli"} <= set(layers)
+    bad = {}
+    for layer, files in layers.items():
+        ok = allowed_for(layer)
+        for f, names in files.items():
+            wrong = sorted(n for n in names if _target(n) not in ok)
+            if wrong:
+                bad[f] = wrong
+    assert not bad, f"imports their layer must not make: {bad}"
+
+
+def test_a_new_package_is_checked_by_the_default_rule():
+    assert allowed_for("serving") == {"serving", *DEFAULT} and "backends" not in allowed_for("serving")
+    assert "backends" not in set().union(*(allowed_for(p) for p in (*ALLOWED, *TOP) if p != "backends"))
+
+
+def test_backends_import_only_core_ops_and_themselves():
+    """A backend plugin imports core, ops and its own modules: never another backend (not even by a module-name
+    string for a lazy import)."""
+    bad = {}
+    for backend in sorted(
+        p.name for p in (ROOT / "polyfuse" / "backends").iterdir() if p.is_dir() and p.name[0] != "_"
+    ):
+        own = f"polyfuse.backends.{backend}"
+        for f in sorted((ROOT / "polyfuse" / "backends" / backend).rglob("*.py")):
+            names = {n for n in _file_imports(f) if n.startswith("polyfuse.backends")}
+            names |= {s for _, s in _module_strings(f, "polyfuse.backends.")}
+            wrong = sorted(n for n in names if n != own and not n.startswith(own + "."))
+            if wrong:
+                bad[str(f.relative_to(ROOT))] = wrong
+    assert not bad, f"a backend reaches another backend: {bad}"
+
+
+def _module_strings(path: Path, prefix: str) -> list:
+    """String constants of a file naming a module under ``prefix`` (what a lazy import by name would take)."""
     found = []
-    for f in sorted((ROOT / "polyfuse" / layer).rglob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(prefix):
-                found.append((str(f.relative_to(ROOT)), node.value))
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(prefix):
+            found.append((str(path.relative_to(ROOT)), node.value.split(":")[0]))
     return found
 
 
-@pytest.mark.parametrize(
-    "layer, allowed, forbidden",
-    [
-        ("core", ("core",), None),
-        ("ops", ("core", "ops"), None),
-        ("models", None, ("backends",)),
-        ("generation", None, ("models", "backends", "loader", "quant")),
-        ("checkpoint", None, ("models", "backends", "loader", "quant", "generation")),
-        ("quant", None, ("models", "backends", "loader", "generation")),
-        ("loader", None, ("models", "backends", "generation")),
-    ],
-)
-def test_layering(layer, allowed, forbidden):
-    bad = {}
-    for f, names in _layer_imports(layer).items():
-        if allowed is not None:
-            wrong = {n for n in names if not _within(n, *allowed)}
-        else:
-            wrong = {n for n in names if _within(n, *forbidden)}
-        if wrong:
-            bad[f] = sorted(wrong)
-    assert not bad, f"polyfuse/{layer} imports what its layer must not: {bad}"
-    if forbidden:
-        for other in forbidden:
-            assert not _module_strings(layer, f"polyfuse.{other}"), _module_strings(layer, f"polyfuse.{other}")
+def test_nothing_outside_the_backends_names_one():
+    """Outside polyfuse/backends no string names a backend module (a lazy import by name), but for the plugin
+    loader's source-tree copy of pyproject's entry points (core/plugins.py BUILTIN)."""
+    found = [
+        hit
+        for f in sorted((ROOT / "polyfuse").rglob("*.py"))
+        if "backends" not in f.relative_to(ROOT / "polyfuse").parts[:1]
+        for hit in _module_strings(f, "polyfuse.backends.")
+    ]
+    assert found and all(f == "polyfuse/core/plugins.py" for f, _ in found), found
+    assert sorted(m for _, m in found) == sorted(v.split(":")[0] for v in plugins.BUILTIN.values())
 
 
 def test_layering_check_sees_relative_and_local_imports():
@@ -333,10 +390,88 @@ def test_layering_check_sees_relative_and_local_imports():
     }  # fmt: skip
 
 
+# -- (f) no import cycle ------------------------------------------------------------------------------------------
+
+
+def _module_graph() -> dict:
+    """{module: modules of polyfuse it imports} (every import, also inside functions; ``from m import name`` counts
+    as m.name where that is a module, else m)."""
+    known = {}
+    for f in (ROOT / "polyfuse").rglob("*.py"):
+        parts = f.relative_to(ROOT).with_suffix("").parts
+        known[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+
+    def resolve(name):
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for mod, f in known.items():
+        package = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges.update(resolve(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                edges.update(resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in known else resolve(base)
+                             for a in node.names)  # fmt: skip
+        graph[mod] = {e for e in edges if e and e != mod}
+    return graph
+
+
+def _cycles(graph: dict) -> list:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_the_cycle_search_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_no_import_cycles():
-    if not IMPORT_CYCLES.is_file():
-        pytest.skip(f"{IMPORT_CYCLES} not present")
-    p = subprocess.run(
-        [sys.executable, str(IMPORT_CYCLES), "polyfuse"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert p.returncode == 0 and "0 import cycle(s)" in p.stdout, p.stdout + p.stderr
+    graph = _module_graph()
+    assert len(graph) > 100 and "polyfuse.core.registry" in graph["polyfuse.core"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

@@ -1,5 +1,5 @@
-"""The quantized GEMVs' inline PTX (int4: nibbles to floats by byte permutes, gemv_gptq.py, and to bf16 / fp16 mma
-operands, gemv_gptq_mma.py; int8: bytes to floats, gemv_scaled.py) without a GPU. (1) Assembled for an H100/H200 (sm_90): Triton compiles each kernel as a launch would
+"""The quantized GEMVs' inline PTX (int4: nibbles to floats by byte permutes, gemv_int4.py, and to bf16 / fp16 mma
+operands, gemm_int4_mma.py; int8: bytes to floats, gemv_int8_fp8.py) without a GPU. (1) Assembled for an H100/H200 (sm_90): Triton compiles each kernel as a launch would
 (16-divisible pointers and sizes) down to a cubin with the ptxas it ships; a PTX typo fails here. (2) Executed: the
 asm's own instructions (read from the kernel source: shifts, masks, the permute selectors) emulated on random words
 must give the numbers of the Triton-arithmetic branch that the CPU suite runs under the interpreter. The GPU
@@ -23,7 +23,7 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from polyfuse.backends.triton import act_int8, gemv_gptq, gemv_gptq_a8, gemv_gguf_a8, gemv_gptq_mma, gemv_kquant_a8, gemv_scaled
+from polyfuse.backends.triton.quant import act_int8, gemv_int4, gemv_int4_a8, gemv_gguf_a8, gemm_int4_mma, gemv_gguf_kquant_a8, gemv_int8_fp8
 
 def compile_(fn, sig, consts):
     sig = {name: sig[name] for name in fn.arg_names}  # the kernel's parameter order (older Tritons read it by position)
@@ -39,10 +39,10 @@ sig = dict(common, QW="*i32", QZ="*i32", S="*bf16", GI="*i32", B="*bf16", Y="*bf
 consts = dict(SWIGLU=False, ACT_ORDER=False, HAS_BIAS=False, BLOCK_N=512, BLOCK_K8=8, STAGES=3, PDL=False,
               ASM=True, XBLOCK=128, PRE=1, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
-ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, consts)
+ptx = compile_(gemv_int4._gemv_gptq_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 8, "int4 permutes missing"
 # with PDL (a Triton that has it): the early weight tile is loaded before griddepcontrol.wait
-ptx = compile_(gemv_gptq._gemv_gptq_kernel, sig, dict(consts, PDL=True))
+ptx = compile_(gemv_int4._gemv_gptq_kernel, sig, dict(consts, PDL=True))
 if "griddepcontrol.wait" in ptx:
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global.cg" in ptx[:wait], "the early weight tile is not loaded before the wait"
@@ -51,7 +51,7 @@ sig = dict(common, W="*i8", S="*fp32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i
 consts = dict(SWIGLU=False, GROUP=0, FP8_BITS=False, INT8=True, HAS_BIAS=False, BLOCK_N=32, BLOCK_K=256,
               STAGES=3, ASM=True, PDL=False, PRE=2, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
-ptx = compile_(gemv_scaled._gemv_scaled_kernel, sig, consts)
+ptx = compile_(gemv_int8_fp8._gemv_scaled_kernel, sig, consts)
 assert ptx.count("prmt.b32") >= 4, "int8 permutes missing"
 sig = dict(X="*bf16", QW="*i32", QZ="*i32", S="*bf16", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", M="i32", N="i32",
            K8="i32", G_SIZE="i32", sx_m="i32", sy_m="i32", sq_k="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
@@ -61,14 +61,14 @@ for fp16 in (False, True):
     sig.update({k: "constexpr" for k in consts})
     if fp16:
         sig.update(X="*fp16", S="*fp16", B="*fp16", Y="*fp16")
-    ptx = compile_(gemv_gptq_mma._gemv_gptq_mma_kernel, sig, consts)
+    ptx = compile_(gemm_int4_mma._gemv_gptq_mma_kernel, sig, consts)
     assert ptx.count("lop3.b32") >= 8 and "mma.sync" in ptx, "int4 mma: the plane decode or the mma is missing"
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", QW="*i32", QZ="*i32", S="*fp16", B="*bf16", Y="*bf16", WS="*fp32",
            CNT="*i32", N="i32", K8="i32", G_SIZE="i32", sz_g="i32", ss_g="i32", k8_per_split="i32",
            SPLIT="i32")
 consts = dict(SQ_K=28672, EVEN=True, HAS_BIAS=False, BLOCK_N=256, BLOCK_K8=8, STAGES=2, PDL=False, ASM=True, RBLOCK=16, PRE=2, UNROLL=8)
 sig.update({k: "constexpr" for k in consts})
-ptx = compile_(gemv_gptq_a8._gemv_gptq_a8_kernel, sig, consts)
+ptx = compile_(gemv_int4_a8._gemv_gptq_a8_kernel, sig, consts)
 assert ptx.count("dp4a.u32.s32") >= 16, "W4A8: the integer dot products are missing"
 sig = dict(X="*bf16", U="*bf16", XW="*i32", DX="*fp32", RS="*fp32", K="i32", sx="i32", su="i32")
 for natural in (False, True):
@@ -89,7 +89,7 @@ for q5 in (False, True):
         consts = dict(Q5=q5, WORDS=44 if q5 else 36, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_B=8, M=m, PDL=False,
                       ASM=True)
         sig.update({k: "constexpr" for k in consts})
-        ptx = compile_(gemv_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
+        ptx = compile_(gemv_gguf_kquant_a8._gemv_kquant_a8_kernel, sig, consts)
         assert ptx.count("dp4a.u32.s32") >= 8, "K-quant A8: the integer dot products are missing"  # 2 x 8 x 32 x 2 / 128
 sig = dict(XW="*i32", DX="*fp32", W8="*i8", W16="*i16", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32",
            N="i32", NB="i32", row_halves="i32", nb_per_split="i32", ROWS="i32", SPLIT="i32")
@@ -97,7 +97,7 @@ for paired in (False, True):
     for block_n, m in ROW_FORMS:
         consts = dict(PAIRED=paired, HAS_BIAS=False, BLOCK_N=block_n, BLOCK_B=4, M=m, PDL=False, ASM=True)
         sig.update({k: "constexpr" for k in consts})
-        ptx = compile_(gemv_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
+        ptx = compile_(gemv_gguf_kquant_a8._gemv_q6k_a8_kernel, sig, consts)
         assert ptx.count("dp4a.u32.s32") >= 4, "Q6_K A8: the integer dot products are missing"  # 2 x 32 x 8 / 128
 sig = dict(XW="*i32", DX="*fp32", RS="*fp32", W32="*i32", B="*bf16", Y="*bf16", WS="*fp32", CNT="*i32", N="i32",
            NB="i32", row_words="i32", nb_per_split="i32", ROWS="i32", SPLIT="i32")
@@ -141,9 +141,9 @@ def _asm_of(fn) -> str:
 
 
 def test_int4_permutes_give_the_interpreter_branch_numbers():
-    from polyfuse.backends.triton import gemv_gptq
+    from polyfuse.backends.triton.quant import gemv_int4
 
-    asm = _asm_of(gemv_gptq._nibbles_f32.fn)
+    asm = _asm_of(gemv_int4._nibbles_f32.fn)
     words = np.random.default_rng(0).integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
     words[:2] = [0, 0xFFFFFFFF]
     shl, e_mask = re.search(r"shl\.b32 e, \$8, (\d+);\s*and\.b32 e, e, (0x[0-9A-Fa-f]+);", asm).groups()
@@ -162,9 +162,9 @@ def test_int4_permutes_give_the_interpreter_branch_numbers():
 
 
 def test_int8_permutes_give_the_interpreter_branch_numbers():
-    from polyfuse.backends.triton import gemv_scaled
+    from polyfuse.backends.triton.quant import gemv_int8_fp8
 
-    asm = _asm_of(gemv_scaled._int8_to_f32.fn)
+    asm = _asm_of(gemv_int8_fp8._int8_to_f32.fn)
     words = np.random.default_rng(1).integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32)
     v = words ^ np.uint32(int(re.search(r"xor\.b32 v, \$4, (0x[0-9A-Fa-f]+);", asm).group(1), 16))
     m = np.full_like(words, int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", asm).group(1), 16))
@@ -178,7 +178,7 @@ def test_int8_permutes_give_the_interpreter_branch_numbers():
 
 
 def _emulate_plane_asm(asm: str, a: np.ndarray, b: np.ndarray) -> dict:
-    """Run gemv_gptq_mma's plane PTX (prmt, shl / shr, lop3 with the (x & y) | z table 0xEA) on word pairs (a, b)."""
+    """Run gemm_int4_mma's plane PTX (prmt, shl / shr, lop3 with the (x & y) | z table 0xEA) on word pairs (a, b)."""
     regs = {}
     outs = {}
     for line in asm.splitlines():
@@ -201,9 +201,9 @@ def _emulate_plane_asm(asm: str, a: np.ndarray, b: np.ndarray) -> dict:
 def test_int4_mma_planes_give_one_plus_nibble_over_16(fp16):
     """Plane i of a word pair (the two words one 32-bit operand register holds) is 1 + (nibble i) / 16 of each word
     in its half, exactly (bf16 or fp16), as the interpreter branch computes it."""
-    from polyfuse.backends.triton import gemv_gptq_mma
+    from polyfuse.backends.triton.quant import gemm_int4_mma
 
-    asm = (gemv_gptq_mma._PLANES_FP16 if fp16 else gemv_gptq_mma._PLANES_BF16).value
+    asm = (gemm_int4_mma._PLANES_FP16 if fp16 else gemm_int4_mma._PLANES_BF16).value
     rng = np.random.default_rng(2)
     a, b = (rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(2))
     a[:2], b[:2] = [0, 0xFFFFFFFF], [0xFFFFFFFF, 0x12345678]
@@ -233,11 +233,11 @@ def _dp4a(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def test_int4_a8_dot_gives_sixteen_times_the_block_dot_product():
-    """gemv_gptq_a8's PTX for a block of 32 (per word two in-place masks and two dp4a chains, then one
+    """gemv_int4_a8's PTX for a block of 32 (per word two in-place masks and two dp4a chains, then one
     multiply-add) emulated line by line on random words and activation bytes: 16 sum_i q_i x_i over the block's 32
     weights (q_i nibble i % 8 of word i // 8; x_i the int8 activations, even ones in xe and odd ones in xo), the
     number its interpreter branch computes."""
-    from polyfuse.backends.triton import gemv_gptq_a8
+    from polyfuse.backends.triton.quant import gemv_int4_a8
 
     rng = np.random.default_rng(3)
     words = [rng.integers(0, 2**32, size=4096, dtype=np.uint64).astype(np.uint32) for _ in range(12)]
@@ -245,7 +245,7 @@ def test_int4_a8_dot_gives_sixteen_times_the_block_dot_product():
         words[j][:2] = [0xFFFFFFFF, 0] if j < 4 else [0x80808080, 0x7F7F7F7F]
     regs = {f"${j + 1}": w for j, w in enumerate(words)}
     zero = np.zeros(4096, np.int64)
-    for line in gemv_gptq_a8._DOT32.value.splitlines():
+    for line in gemv_int4_a8._DOT32.value.splitlines():
         line = line.strip().rstrip(";")
         if m := re.fullmatch(r"and\.b32 (\w+), (\$\d+), (0x[0-9A-Fa-f]+)", line):
             regs[m.group(1)] = regs[m.group(2)] & np.uint32(int(m.group(3), 16))

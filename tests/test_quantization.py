@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -237,14 +236,14 @@ def test_cannot_pack():
 def test_gemv_paths_against_the_reference(fmt):
     """Every kernel with K split over programs (partials summed by the last program), SwiGLU folded in and a bias, in float32."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton.gemv_gguf import gemv_gguf
-    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
-    from polyfuse.backends.triton.gemv_kquant import gemv_kquant
-    from polyfuse.backends.triton.gemv_scaled import gemv_scaled
+    from polyfuse.backends.triton.quant.gemv_gguf import gemv_gguf
+    from polyfuse.backends.triton.quant.gemv_gguf_kquant import gemv_gguf_kquant
+    from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
+    from polyfuse.backends.triton.quant.gemv_int8_fp8 import gemv_int8_fp8
 
-    kernel = gemv_gptq if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_scaled
+    kernel = gemv_int4 if fmt.startswith("int4") else gemv_gguf if fmt.startswith("gguf") else gemv_int8_fp8
     kquant = fmt in qf.K_QUANTS or fmt.startswith("random")
-    kernel = gemv_kquant if kquant else kernel
+    kernel = gemv_gguf_kquant if kquant else kernel
     k = 768 if kquant else 544
     # random_*: super-blocks of random bytes (negative and zero d, Q6_K's negative scales), as llama.cpp files hold
     qw = random_gguf("gguf_" + fmt[7:], 40, k, seed=4) if fmt.startswith("random") else quantized(fmt, 40, k, "cpu")
@@ -265,33 +264,37 @@ def test_gemv_paths_against_the_reference(fmt):
         assert rel(kernel(x, up, qw, None, split=split), ref) < bound, split
     if fmt.startswith("fp8"):  # GPUs without fp8 conversions decode the bits by integer arithmetic
         assert torch.equal(
-            gemv_scaled(x, None, qw, None, fp8_bits=True), gemv_scaled(x, None, qw, None, fp8_bits=False)
+            gemv_int8_fp8(x, None, qw, None, fp8_bits=True), gemv_int8_fp8(x, None, qw, None, fp8_bits=False)
         )
 
 
-def test_gemv_tiles_per_projection(monkeypatch):
-    """A projection with its own swept tile gets it; another shape the format's; POLYFUSE_QGEMV_TILES's format
-    entry (tuning runs) wins over both."""
+def test_gemv_tiles_per_projection(tmp_path):
+    """A projection with its own swept tile gets it; another shape the format's; a tile_configs folder's entry for
+    the format (tuning runs) replaces both, and leaves the other formats as they were."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton import _qgemv
+    from quant_cases import tile_options
 
-    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.SHAPE_TILES[("fp8", 6144, 4096)] != _qgemv.TILES["fp8"]
-    assert ("fp8", 8192, 4096) not in _qgemv.SHAPE_TILES
-    assert _qgemv.tiles_for("fp8", 8192, 4096) == _qgemv.TILES["fp8"]
-    monkeypatch.setattr(_qgemv, "_ENV_FORMATS", {"fp8"})
-    assert _qgemv.tiles_for("fp8", 6144, 4096) == _qgemv.TILES["fp8"]
+    from polyfuse.backends.triton.quant import gemv_common
+
+    table = gemv_common.gemv_tiles("cpu")
+    assert table.tile("fp8", 6144, 4096) == table.shapes["fp8"][(6144, 4096)] != table.formats["fp8"]
+    assert (8192, 4096) not in table.shapes["fp8"]
+    assert table.tile("fp8", 8192, 4096) == table.formats["fp8"]
+    tuning = gemv_common.gemv_tiles("cpu", tile_options(tmp_path, fp8={"tile": [64, 128, 4, 3]}))
+    assert tuning.tile("fp8", 6144, 4096) == tuning.tile("fp8", 8192, 4096) == (64, 128, 4, 3)
+    assert tuning.tile("int8", 6144, 4096) == table.tile("int8", 6144, 4096)
 
 
 def test_gemv_int4_group_sizes():
     """AutoGPTQ group sizes 32 and 64, and one group over all of K (group_size -1: K not a power of two)."""
     pytest.importorskip("triton")
-    from polyfuse.backends.triton.gemv_gptq import gemv_gptq
+    from polyfuse.backends.triton.quant.gemv_int4 import gemv_int4
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, 192, generator=gen)
     for g in (32, 64, 192):
         qw = qf.quantize("int4", torch.randn(16, 192, generator=gen), group_size=g)
-        assert rel(gemv_gptq(x, None, qw), x @ qf.dequantize(qw).t()) < 4e-6, g  # the bound: see the test above
+        assert rel(gemv_int4(x, None, qw), x @ qf.dequantize(qw).t()) < 4e-6, g  # the bound: see the test above
 
 
 def test_scaled_mm_is_per_token_fp8_arithmetic():
@@ -317,30 +320,28 @@ def test_scaled_mm_is_per_token_fp8_arithmetic():
 
 
 @pytest.mark.slow
-def test_scaled_mm_fast_accumulation_switch(monkeypatch):
-    """torch._scaled_mm gets use_fast_accum on GPUs only with POLYFUSE_FP8_FAST_ACCUM=1 (ops/quant_linear.py, read at
-    import: FAST_ACCUM; off by default), never on the CPU; scaled_mm_rows passes what fast_accum says for its
-    operands' device."""
+def test_scaled_mm_fast_accumulation_option(monkeypatch):
+    """torch._scaled_mm gets use_fast_accum on GPUs only in a run with the kernel option fp8_fast_accum (off by
+    default), never on the CPU; the option reaches scaled_mm_rows from the run's flags through the registry."""
+    from polyfuse.core import registry
+    from polyfuse.core.context import SelectionContext
+    from polyfuse.core.kernel_options import KernelOptions
     from polyfuse.ops import quant_linear as ql
 
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert ql.fast_accum(gpu) is ql.FAST_ACCUM and not ql.fast_accum(cpu)
-    monkeypatch.setattr(ql, "FAST_ACCUM", False)
-    assert not ql.fast_accum(gpu)
-    monkeypatch.setattr(ql, "FAST_ACCUM", True)
-    assert ql.fast_accum(gpu)
+    on = KernelOptions(fp8_fast_accum=True)
+    assert not ql.fast_accum(gpu) and ql.fast_accum(gpu, on) and not ql.fast_accum(cpu, on)
     seen = []
-    monkeypatch.setattr(ql, "fast_accum", lambda device: seen.append(device) or "flag")
+    monkeypatch.setattr(ql, "fast_accum", lambda device, options: seen.append((device, options.fp8_fast_accum)) or 7)
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: seen.append(k["use_fast_accum"]) or torch.zeros(2, 48))
     qw = quantized("fp8", 48, 96, "cpu")
     ql.scaled_mm_rows(torch.zeros(2, 96).to(torch.float8_e4m3fn), torch.ones(2, 1), qw, torch.zeros(2, 96))
-    assert seen == [cpu, "flag"]
-    code = "from polyfuse.ops import quant_linear as q; print(q.FAST_ACCUM)"
-    env = {k: v for k, v in os.environ.items() if k != "POLYFUSE_FP8_FAST_ACCUM"}
-    for value, want in ((None, "False"), ("0", "False"), ("1", "True")):
-        run_env = env if value is None else dict(env, POLYFUSE_FP8_FAST_ACCUM=value)
-        r = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
-        assert r.stdout.strip() == want, (value, r.stderr[-2000:])
+    assert seen == [(cpu, False), 7]
+    seen.clear()
+    x = torch.randn(2, 96).bfloat16()
+    for fast in (False, True):  # cuda:scaled_mm bound as a run with the option set or not would bind it
+        registry.bound("linear_q", "scaled_mm", SelectionContext(cpu, flags={"fp8_fast_accum": fast}))(x, qw)
+    assert seen == [(cpu, False), 7, (cpu, True), 7]
 
 
 def test_triton_fp8_row_quantization_is_torchs():
@@ -351,7 +352,7 @@ def test_triton_fp8_row_quantization_is_torchs():
     from helpers import cpu_scaled_mm_missing
 
     from polyfuse.backends.cuda import scaled_mm as plain
-    from polyfuse.backends.triton import scaled_mm as fused
+    from polyfuse.backends.triton.quant import fp8_scaled_mm as fused
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # the GPU's own fp8 cast, or the interpreter
     gen = torch.Generator().manual_seed(11)
@@ -944,11 +945,11 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
     assert n == 1022 and abs(ppl / baseline - 1) < 0.005, (ppl, baseline)
     # The Triton GEMV on real Q4_1 rows (64 of layer 0's gate/up, and of its down projection with SwiGLU), on int8
     # activations (the default) against the float product of the activations quantized the same way, and on float
-    # activations (POLYFUSE_GGUF_A8=0) against the float product.
+    # activations (the kernel option gguf_a8 off) against the float product.
     pytest.importorskip("triton")
     from benchmarks.harness.act_int8 import int8_activations
-    from polyfuse.backends.triton import gemv_gguf_a8
-    from polyfuse.backends.triton.quant_gemv import linear_q, swiglu_linear_q
+    from polyfuse.backends.triton.quant.gemv_q import linear_q, swiglu_linear_q
+    from polyfuse.core.kernel_options import KernelOptions
 
     def rows(q):
         qw = q.quantized_weight()
@@ -959,11 +960,12 @@ def test_gguf_q4_1_kept_equals_its_dequantized_run(builtin, baseline, monkeypatc
     x = torch.randn(1, 1, 576, generator=torch.Generator().manual_seed(8))
     g, u = torch.randn(2, 1, 1, 1536, generator=torch.Generator().manual_seed(9))
     for a8 in (True, False):
-        monkeypatch.setattr(gemv_gguf_a8, "ENABLED", a8)
+        options = KernelOptions(gguf_a8=a8)
         act = int8_activations if a8 else (lambda t: t)
-        assert rel(linear_q(x, gate_up), torch.nn.functional.linear(act(x), qf.dequantize(gate_up))) < 1e-6
+        got = linear_q(x, gate_up, options=options)
+        assert rel(got, torch.nn.functional.linear(act(x), qf.dequantize(gate_up))) < 1e-6
         ref = torch.nn.functional.linear(act(torch.nn.functional.silu(g) * u), qf.dequantize(down))
-        assert rel(swiglu_linear_q(g, u, down), ref) < 1e-6
+        assert rel(swiglu_linear_q(g, u, down, options=options), ref) < 1e-6
 
 
 # Measured on this text (2 windows of 512 tokens, float32, CPU): dequantized Q4_1 19.714; int8 19.839 (+0.63%);
@@ -1030,7 +1032,7 @@ def test_perplexity_with_the_lm_head_int8(builtin, baseline):
 
 @pytest.mark.slow
 def test_perplexity_with_int8_activations(builtin, baseline):
-    """int4 with its projections' activations quantized to int8 in blocks of 32 (POLYFUSE_INT4_A8's decode, emulated
+    """int4 with its projections' activations quantized to int8 in blocks of 32 (the option int4_a8's decode, emulated
     on every position: benchmarks/harness/act_int8.py), token by token against int4 alone. Measured on these windows: each
     token's loss moves by 0.082-0.083 nats on average (absolute), the perplexity by -0.17% .. +1.10% (over AVX-512,
     AVX2 and unvectorized CPU kernels, and embeddings jittered by 1e-7: activation rounding flips amplify float
@@ -1056,7 +1058,7 @@ def test_gguf_perplexity_with_int8_activations(builtin, baseline):
     GEMV's default on the GPU, emulated on every position: benchmarks/harness/act_int8.py), token by token against the GGUF kept
     on float activations (whose perplexity equals the float model's). Measured on these windows: each token's loss
     moves by 0.077-0.084 nats on average (absolute), the perplexity by -0.46% .. +1.03% (jittered embeddings and
-    CPU kernels, as the int4 case above): the issue's 0.5% is met by the weight-only GEMV (POLYFUSE_GGUF_A8=0), not
+    CPU kernels, as the int4 case above): the issue's 0.5% is met by the weight-only GEMV (gguf_a8 off), not
     shown for this one. Held: the mean move in 0.04..0.16 nats, the perplexity within 1.5%."""
     from benchmarks.harness.act_int8 import emulate_int8_activations_
     from benchmarks.harness.perplexity import token_nll
@@ -1270,7 +1272,6 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     from benchmarks.harness.perplexity import perplexity
     from polyfuse.loader.load import set_kernels
     from polyfuse.models import AutoModelForCausalLM
-    from polyfuse.ops.act_int8 import GGUF_REQUESTED
 
     path, gguf, windows, _ = builtin
     flags = {"use_flash_attention": True, "use_cuda_graphs": True}
@@ -1292,7 +1293,7 @@ def test_cuda_builtin_model_quantized(builtin, quant):
     out = model.generate(ids, max_new_tokens=16, ignore_eos=True)
     set_kernels(model, {}, "-linear_q,-swiglu_linear_q,-add_rms_norm_linear_q")
     assert linear_q_taker(model, 1) == "native"
-    if quant == "gguf" and GGUF_REQUESTED:  # POLYFUSE_GGUF_A8=0: the GEMV keeps float activations
+    if quant == "gguf":  # the model's option gguf_a8 (on by default): the GEMV's int8 activations
         emulate_int8_activations_(model)
     with torch.inference_mode():
         again = model(out).logits.argmax(-1)[0, ids.shape[1] - 1 : -1]

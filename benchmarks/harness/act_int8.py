@@ -1,4 +1,4 @@
-"""The quality of ``POLYFUSE_INT4_A8`` (and of the GGUF one-row GEMV's default, ``POLYFUSE_GGUF_A8``) measured over
+"""The quality of the kernel option ``int4_a8`` (and of the GGUF one-row GEMV's default, ``gguf_a8``) measured over
 a whole text: a model whose int4 (GGUF: kept as stored) projections see their activations quantized to int8 in
 blocks of 32 and back (polyfuse/ops/act_int8.py), on every row.
 

@@ -12,13 +12,15 @@ import shutil
 import transformers
 from transformers import AutoTokenizer
 
+from polyfuse.core import settings
+
 
 # Part of the cache key: bump when what is cached changes (2: special tokens as the GGUF says, _gguf_special_tokens).
 CACHE_FORMAT = 2
 
 
 def cache_root() -> str:
-    return os.environ.get("POLYFUSE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "polyfuse"))
+    return settings.cache_dir()
 
 
 def _gguf_special_tokens(tok, file: str) -> None:

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from polyfuse.cli.kernel_options import add_kernel_options
 from polyfuse.cli.speculative_options import add_speculative_options
 
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _input_options(p)
     _generation_options(p)
     _device_options(p)
+    add_kernel_options(p)  # polyfuse/cli/kernel_options.py
     _quant_options(p)
     _gaudi_options(p)
     _output_options(p)
@@ -195,7 +197,6 @@ def _device_options(p) -> None:
     a("--ops", default="", metavar="LIST", help="per-op overrides, e.g. '+rms_norm,-rotary,attention=sdpa_flash' "
       "(default: none)")  # fmt: skip
     a("--print_backends", action="store_true", help="print which implementation each op got and why")
-    # polyfuse/cli/kernel_options.py adds its options to this group's neighbours here (add_kernel_options).
 
 
 def _quant_options(p) -> None:

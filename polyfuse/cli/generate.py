@@ -30,6 +30,7 @@ from polyfuse.cli.inputs import (
     render_inputs,
     row_groups,
 )
+from polyfuse.cli.kernel_options import kernel_flags
 from polyfuse.cli.progress import counter, token_bar
 from polyfuse.cli.stats import compile_note, print_report, summarize
 from polyfuse.distributed.context import world_size_from_env
@@ -627,7 +628,7 @@ def run(args) -> dict:
     if args.bucket_size is None:
         args.bucket_size = default_bucket_size(device.type, args.max_new_tokens)
     prepare_output_dir(args)
-    flags = {name: getattr(args, name) for name in FLAG_NAMES}
+    flags = {name: getattr(args, name) for name in FLAG_NAMES} | kernel_flags(args)
     flags, warnings = check_flags(device.type, flags)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

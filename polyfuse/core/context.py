@@ -1,4 +1,5 @@
-"""What a selection is made for: device and its platform, dtype, the run's flags, training or inference."""
+"""What a selection is made for: device and its platform, dtype, the run's flags (and the kernel options among them),
+training or inference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from polyfuse.core.kernel_options import KernelOptions, from_flags
 from polyfuse.core.platform import Platform, detect_platform
 
 
@@ -27,3 +29,8 @@ class SelectionContext:
 
     def flag(self, name: str, default=False):
         return self.flags.get(name, default)
+
+    @property
+    def options(self) -> KernelOptions:
+        """The run's kernel options (core/kernel_options.py), from its flags."""
+        return from_flags(self.flags)

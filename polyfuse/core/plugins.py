@@ -12,8 +12,9 @@ loaded and called once, at the first resolve.
 from __future__ import annotations
 
 import logging
-import os
 from importlib.metadata import EntryPoint, entry_points
+
+from polyfuse.core import settings
 
 
 logger = logging.getLogger("polyfuse")
@@ -33,7 +34,7 @@ def discovered() -> dict[str, EntryPoint]:
     found = {ep.name: ep for ep in entry_points(group=GROUP)}
     for name, value in BUILTIN.items():
         found.setdefault(name, EntryPoint(name, value, GROUP))
-    wanted = os.environ.get(ENV_SELECT)
+    wanted = settings.get(ENV_SELECT)
     if wanted is not None:
         names = {n.strip() for n in wanted.split(",") if n.strip()}
         unknown = sorted(names - set(found))

@@ -14,14 +14,16 @@ Vocabulary:
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from polyfuse.core import settings
 from polyfuse.core.context import SelectionContext
+from polyfuse.core.kernel_options import changed
 from polyfuse.core.plugins import load_plugins
 
 
@@ -66,6 +68,8 @@ class Implementation:
     # True when declining is the plan (a GEMV for tuned shapes only): no warning; else one warning per cause. An
     # ``accepts`` can also say so per call by returning a :class:`Planned` reason (another weight format's call).
     quiet_decline: bool = False
+    # True: ``fn`` and ``accepts`` take the run's KernelOptions (core/kernel_options.py) as the keyword ``options``.
+    options: bool = False
 
     def unusable_reason(self, ctx: SelectionContext) -> Optional[str]:
         if "*" not in self.devices and ctx.device.type not in self.devices:
@@ -231,24 +235,33 @@ def warn_declined(op: str, impl: str, why: str, then: str) -> None:
         logger.warning("polyfuse: %s: %s cannot take this input (%s); %s runs", op, impl, why, then)
 
 
-def _taker(rest: list, terminal: str, args, kwargs) -> str:
+def _bound(impl: Implementation, options) -> tuple:
+    """(fn, accepts) of ``impl`` for a run with these kernel options (a partial: no Python frame per call)."""
+    if not impl.options:
+        return impl.fn, impl.accepts
+    accepts = None if impl.accepts is None else functools.partial(impl.accepts, options=options)
+    return functools.partial(impl.fn, options=options), accepts
+
+
+def _taker(rest: list, terminal: str, args, kwargs, options) -> str:
     """The name of the first of ``rest`` (the chain's later implementations) that accepts the call, else the
     terminal's: what a declined call really runs, for the one warning line (asked only when a warning is due)."""
     for impl in rest:
-        if impl.accepts is None or impl.accepts(*args, **kwargs) is None:
+        accepts = _bound(impl, options)[1]
+        if accepts is None or accepts(*args, **kwargs) is None:
             return impl.name
     return terminal
 
 
-def _guarded(impl: Implementation, nxt: Callable, rest: list, terminal: str) -> Callable:
-    fn, accepts, op = impl.fn, impl.accepts, impl.op
+def _guarded(impl: Implementation, nxt: Callable, rest: list, terminal: str, options) -> Callable:
+    (fn, accepts), op = _bound(impl, options), impl.op
 
     def call(*args, **kwargs):
         why = accepts(*args, **kwargs)
         if why is None:
             return fn(*args, **kwargs)
         if not impl.quiet_decline and not isinstance(why, Planned):
-            warn_declined(op, impl.name, why, _taker(rest, terminal, args, kwargs))
+            warn_declined(op, impl.name, why, _taker(rest, terminal, args, kwargs, options))
         return nxt(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = f"{op}_{impl.name}"
@@ -292,10 +305,14 @@ class Kernels:
         fn, terminal = self._terminal(choice.op)
         if choice.implementation.name == NATIVE:
             return fn
-        chain = choice.chain
+        chain, options = choice.chain, self.context.options
         for i in reversed(range(len(chain))):
             impl = chain[i]
-            fn = impl.fn if impl.accepts is None else _guarded(impl, fn, chain[i + 1 :], terminal)
+            fn = (
+                _bound(impl, options)[0]
+                if impl.accepts is None
+                else _guarded(impl, fn, chain[i + 1 :], terminal, options)
+            )
         return fn
 
     def report(self) -> str:
@@ -318,6 +335,9 @@ class Kernels:
                 )
             note = "".join(f" [{n}]" for n in notes)
             lines.append(f"  {name:<{width}}  {impl.backend + ':' + impl.name:<24} {c.reason}{note}")
+        set_options = changed(self.context.options)
+        if set_options:
+            lines.append("  kernel options: " + ", ".join(f"{n}={v}" for n, v in set_options.items()))
         return "\n".join(lines)
 
     def compiled(self, backend: str = "inductor") -> "Kernels":
@@ -326,7 +346,7 @@ class Kernels:
         cannot lower every launcher's argument preparation). An op that runs its composite definition is not
         compiled itself: it calls its parts through this namespace, each compiled or fused by the same rule. (A
         compiled composite would trace its fused parts' Triton launches into its graph: on the GPU, swiglu_linear's
-        composite with the Triton swiglu inside, under inference_mode, gave wrong logits, session 35.) Standalone
+        composite with the Triton swiglu inside, under inference_mode, gave wrong logits.) Standalone
         functions, not module forwards bound to ``self``, each with its own code object, so decoding does not
         recompile per layer, per token or per op."""
         out = Kernels(self.choices, self.context)
@@ -355,7 +375,7 @@ def resolve(ctx: SelectionContext) -> Kernels:
 def run_overrides(ctx: SelectionContext) -> dict[str, str]:
     """The run's op overrides: the environment's, then the context's (later entries win). A fused implementation
     that folds another op in (e.g. SwiGLU inside a projection) asks here whether that op was forced native."""
-    overrides = parse_overrides(os.environ.get(ENV_OVERRIDES, ""))
+    overrides = parse_overrides(settings.get(ENV_OVERRIDES))
     overrides.update(parse_overrides(ctx.overrides))
     return overrides
 

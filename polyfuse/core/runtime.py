@@ -42,6 +42,12 @@ class DeviceRuntime:
         self.device = device
 
     @classmethod
+    def lazy_mode_enabled(cls) -> bool:
+        """Whether this device type runs in lazy mode, ops gathered into graphs run at step boundaries (HPU: Habana's
+        own answer); False for eager devices."""
+        return False
+
+    @classmethod
     def refusal(cls, flags: dict):
         """None, or one line saying why this device cannot run with these flags at all and what to set (checked
         before anything is loaded)."""

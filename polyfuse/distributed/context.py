@@ -19,13 +19,13 @@ import contextvars
 import datetime
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from polyfuse.core import settings
 from polyfuse.core.errors import CheckpointError, one_line
 from polyfuse.core.platform import default_device_type
 from polyfuse.distributed.sharding import TensorParallelError
@@ -62,7 +62,7 @@ _building: contextvars.ContextVar = contextvars.ContextVar("polyfuse_tp_building
 
 def world_size_from_env() -> int:
     try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        return settings.get("WORLD_SIZE")
     except ValueError:
         return 1
 
@@ -86,8 +86,10 @@ def init(device=None) -> TPContext:
     if world <= 1:
         _context = SINGLE
         return _context
-    rank = int(os.environ["RANK"])
-    local = int(os.environ.get("LOCAL_RANK", rank))
+    rank = settings.get("RANK")
+    if rank is None:
+        raise TensorParallelError(f"WORLD_SIZE={world} without RANK: start the ranks with torchrun")
+    local = settings.get("LOCAL_RANK", rank)
     device_type = torch.device(device).type if device is not None else default_device_type()
     backend = backend_for(device_type)
     kwargs = {}
@@ -98,7 +100,7 @@ def init(device=None) -> TPContext:
     else:
         dev = torch.device(device_type)  # Gaudi: Habana's stack maps LOCAL_RANK to the process's one card
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, "600")))
+        timeout = datetime.timedelta(seconds=settings.get(TIMEOUT_ENV))
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -137,9 +139,8 @@ def for_build(device, tp: Optional[TPContext] = None, training: bool = False) ->
     return tp
 
 
-# How long shutdown() waits for destroy_process_group: NCCL's teardown has hung after the results on 2 x H200, and the
-# callers os._exit right after shutdown(), so a destroy still running then is abandoned.
-DESTROY_TIMEOUT_S = float(os.environ.get("POLYFUSE_DESTROY_TIMEOUT_S", "20"))
+# shutdown() waits POLYFUSE_DESTROY_TIMEOUT_S for destroy_process_group: on 2 x H200 with NCCL, a decode benchmark's
+# processes stayed in their teardown after printing every result; the callers then os._exit, abandoning it.
 
 
 def shutdown() -> None:
@@ -147,7 +148,7 @@ def shutdown() -> None:
     process with ``os._exit``, as ``launch.distributed_entry`` does: with gloo, torch 2.13's interpreter teardown
     aborts now and then ("terminate called without an active exception") when the peer's exit races it.)
 
-    The destroy runs in a daemon thread given DESTROY_TIMEOUT_S seconds: when it has not returned by then, one
+    The destroy runs in a daemon thread given POLYFUSE_DESTROY_TIMEOUT_S seconds: when it has not returned by then, one
     ``warning:`` line says so (with POLYFUSE_DESTROY_STACKS=1 also every thread's Python stack, for a report) and
     shutdown returns, so the caller's ``os._exit`` ends the process instead of a rank hanging at exit."""
     global _context, _requested
@@ -160,12 +161,13 @@ def shutdown() -> None:
         finally:
             done = threading.Thread(target=dist.destroy_process_group, name="destroy_process_group", daemon=True)
             done.start()
-            done.join(DESTROY_TIMEOUT_S)
+            wait_s = settings.get("POLYFUSE_DESTROY_TIMEOUT_S")
+            done.join(wait_s)
             _context, _requested = None, False
         if done.is_alive():
-            print(f"warning: destroy_process_group did not return in {DESTROY_TIMEOUT_S:g} s; exiting without it",
+            print(f"warning: destroy_process_group did not return in {wait_s:g} s; exiting without it",
                   file=sys.stderr, flush=True)  # fmt: skip
-            if os.environ.get("POLYFUSE_DESTROY_STACKS") == "1":
+            if settings.get("POLYFUSE_DESTROY_STACKS"):
                 import faulthandler
 
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

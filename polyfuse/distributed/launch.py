@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 
+from polyfuse.core import settings
 from polyfuse.core.errors import one_line
 from polyfuse.distributed.context import request_from_env, shutdown, world_size_from_env
 
@@ -44,7 +45,7 @@ def distributed_entry(main=None, *, tensor_parallel: bool = True):
 
 
 def _ranked(main, argv, tensor_parallel: bool = True) -> int:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = settings.get("RANK", 0)
     stderr = sys.stderr
     if rank != 0:
         # Quiet at the file descriptors too: logging handlers made at import (transformers' warnings) and torch's C++
@@ -98,7 +99,9 @@ def spawn_main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for N > 1, without its warning
+    settings.set_for_child(
+        "OMP_NUM_THREADS", "1", overwrite=False
+    )  # what torchrun sets for N > 1, without its warning
     launch = ["--nproc-per-node", str(args.world_size)]
     launch += ["--master-port", str(args.master_port)] if args.master_port else ["--standalone"]
     # The ranks print their own error line; torchrun's supervisor logs would repeat it as a page of text.

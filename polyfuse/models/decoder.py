@@ -19,6 +19,7 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from polyfuse.checkpoint.config import config_from_dict, head_dim
+from polyfuse.core import kernel_options
 from polyfuse.core.errors import CheckpointError
 from polyfuse.distributed.context import SINGLE, building, building_context
 from polyfuse.distributed.sharding import Shard, TensorParallelError, check_columns, head_shard, split
@@ -346,15 +347,17 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None, progress=None, quant_lm_head=False):  # fmt: skip
+                        training=False, quant=None, progress=None, quant_lm_head=False, **options):  # fmt: skip
+        """``options``: kernel options (polyfuse/core/kernel_options.py), added to ``flags``."""
         return loading.from_pretrained(
-            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress,
-            quant_lm_head=quant_lm_head,
+            cls, path, gguf_file, dtype, device, kernel_options.merge(flags, options), overrides, training,
+            quant=quant, progress=progress, quant_lm_head=quant_lm_head,
         )  # fmt: skip
 
     @classmethod
     def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
-                    quant=None):  # fmt: skip
+                    quant=None, **options):  # fmt: skip
+        flags = kernel_options.merge(flags, options)
         return loading.from_config(cls, config, dtype, device, flags, overrides, training, seed, quant=quant)
 
     def save_pretrained(self, path: str, **kwargs) -> None:

@@ -1,29 +1,20 @@
 """int8 activations in blocks of 32 values: the torch reference of what the W4A8 and the GGUF one-row GEMVs compute.
 
-``POLYFUSE_INT4_A8=1`` (backends/triton/gemv_gptq_a8.py) runs a one-row int4 projection on int8 activations with
-integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x (already in its
-dtype) is cut into blocks of 32 consecutive values (llama.cpp's q8_1 block); a block's scale is d = amax / 127
-(amax = max |x| over the block,
-in float32, IEEE divisions) and its values q = round-half-even(x * (127 / amax)), in -127..127; a block whose amax is
-below 2^-100 (zeros, subnormals) is all zeros with d = 0. The product is then dequantize(w) @ (q d), exact in the
-integers, then float32 multiplies by the block's and the column's scales and float32 sums. Not weight-only: each activation is moved by at
-most half a step, amax / 254 of its block, against about 1/16 of a group's range for every int4 weight.
+The kernel option ``int4_a8`` (backends/triton/quant/gemv_int4_a8.py) runs a one-row int4 projection on int8
+activations with integer dot products, as llama.cpp's GPU kernels run its 4-bit types on q8_1 activations: the row x
+(already in its dtype) is cut into blocks of 32 consecutive values (llama.cpp's q8_1 block); a block's scale is
+d = amax / 127 (amax = max |x| over the block, in float32, IEEE divisions) and its values
+q = round-half-even(x * (127 / amax)), in -127..127; a block whose amax is below 2^-100 (zeros, subnormals) is all
+zeros with d = 0. The product is then dequantize(w) @ (q d), exact in the integers, then float32 multiplies by the
+block's and the column's scales and float32 sums. Not weight-only: each activation is moved by at most half a step,
+amax / 254 of its block, against about 1/16 of a group's range for every int4 weight.
 """
-
-import os
 
 import torch
 
 from polyfuse.ops.quant_formats import GGUF_BLOCK, GGUF_BYTES
 
 
-# The opt-in switch, read at import (the kernels' module keeps its own copy, gemv_gptq_a8.ENABLED, which benchmarks
-# and tests may change; the backend report reads this one).
-REQUESTED = os.environ.get("POLYFUSE_INT4_A8", "0") == "1"
-# GGUF weights kept as stored run their one-row GEMV on int8 activations by default (backends/triton/gemv_gguf_a8.py),
-# as llama.cpp's CUDA backend and vLLM's GGUF kernels do: POLYFUSE_GGUF_A8=0 keeps them weight-only (float
-# activations, gemv_gguf.py / gemv_kquant.py).
-GGUF_REQUESTED = os.environ.get("POLYFUSE_GGUF_A8", "1") != "0"
 BLOCK = 32
 TINY = 2.0**-100  # blocks with amax below this quantize to zeros
 PAIRED_BLOCKS = ("gguf_q8_0", "gguf_q4_0")  # 34 / 18 bytes: every other block starts off a 4-byte boundary

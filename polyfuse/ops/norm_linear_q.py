@@ -7,7 +7,7 @@ quantized weight (models/decoder.py ``normed_projection``). Its composite defini
 ``add_rms_norm`` (or ``rms_norm``) followed by its ``linear_q``, so by default nothing changes; a backend registers a
 fused implementation where the norm and the projection's input preparation meet: for fp8 prefill, one kernel writes
 the sum and the normalized rows already quantized to e4m3 per token, so the normalized rows are never written in
-bfloat16 and read back (backends/triton/norm_quantize.py).
+bfloat16 and read back (backends/triton/quant/norm_fp8_scaled_mm.py).
 """
 
 from typing import Optional

@@ -9,12 +9,12 @@ dequantizing in its loads) or quantize the activations too (fp8 ``torch._scaled_
 does not take. Inference-only ops: a training run keeps the references (gradients flow to ``x``, not the weight).
 """
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.core.registry import OpSpec, declare
 from polyfuse.ops.quant_formats import FP8_MAX, QuantizedWeight, dequantize
 from polyfuse.ops.swiglu import swiglu_native
@@ -85,25 +85,22 @@ def scaled_mm_refusal(x: torch.Tensor, qweight: QuantizedWeight) -> Optional[str
     return None
 
 
-# Fast fp8 accumulation skips Hopper's periodic float32 promotion of partial sums: 16% faster 8B prefill GEMMs, but one
-# of 4096 outputs of a K = 14336 row came out 128 off on an H200, so it is opt-in (docs/quantization.md).
-FAST_ACCUM = os.environ.get("POLYFUSE_FP8_FAST_ACCUM", "0") == "1"
+# Hopper's fp8 tensor cores accumulate K in a narrower register unless the GEMM promotes partial sums to float32
+# every few steps; "fast accumulation" skips it: opt-in (fp8_fast_accum), since it put one GPU test's output far off.
+def fast_accum(device: torch.device, options=DEFAULT) -> bool:
+    """Whether ``_scaled_mm`` on ``device`` runs with fast accumulation: on GPUs in a run with the kernel option
+    ``fp8_fast_accum``; never on the CPU, whose kernel has no such mode."""
+    return options.fp8_fast_accum and device.type == "cuda"
 
 
-def fast_accum(device: torch.device) -> bool:
-    """Whether ``_scaled_mm`` on ``device`` runs with fast accumulation: on GPUs with POLYFUSE_FP8_FAST_ACCUM=1 (read
-    at import); never on the CPU, whose kernel has no such mode."""
-    return FAST_ACCUM and device.type == "cuda"
-
-
-def scaled_mm_rows(xq: torch.Tensor, scale_a: torch.Tensor, qweight: QuantizedWeight, x: torch.Tensor, bias=None):
+def scaled_mm_rows(xq, scale_a, qweight: QuantizedWeight, x: torch.Tensor, bias=None, options=DEFAULT):
     """y = (xq * scale_a) @ (qweight * its channel scales).T in x's dtype and shape: e4m3 rows xq [M, K] with
     float32 scales [M, 1] (how they were quantized is the caller's), on the fp8 tensor cores."""
     n = qweight.shape[0]
     w = qweight.qweight  # [N, K] row-major: its transpose is the column-major mat2 scaled_mm wants
     y = torch._scaled_mm(
         xq, w.t(), scale_a=scale_a, scale_b=qweight.scales.float().view(1, n), out_dtype=x.dtype,
-        use_fast_accum=fast_accum(xq.device),
+        use_fast_accum=fast_accum(xq.device, options),
     )  # fmt: skip
     if bias is not None:
         y = y + bias

@@ -33,7 +33,6 @@ import functools
 import itertools
 import logging
 import math
-import os
 import re
 import threading
 from typing import Callable, Optional
@@ -118,9 +117,9 @@ def _resolve(tensor) -> torch.Tensor:
 
 def _kernel_takes_quantized(ctx) -> bool:
     """Does the run's ``linear_q`` have an implementation besides the native reference on this device?"""
-    from polyfuse.core.registry import ENV_OVERRIDES, NATIVE, implementations, parse_overrides
+    from polyfuse.core.registry import NATIVE, implementations, run_overrides
 
-    overrides = {**parse_overrides(os.environ.get(ENV_OVERRIDES, "")), **parse_overrides(ctx.overrides)}
+    overrides = run_overrides(ctx)
     if ctx.training or overrides.get("linear_q") == "-":
         return False
     return any(i.name != NATIVE and i.unusable_reason(ctx) is None for i in implementations("linear_q"))

@@ -76,7 +76,7 @@ def warn_unaccelerated(model) -> None:
     elif model.dtype != torch.bfloat16:
         where = f"{_name(model.dtype)} run: the fp8 matmul (row-wise torch._scaled_mm) needs bfloat16"
     elif any(i.name == "fp8_block_mm" for i in model.kernels.choices["linear_q"].then):
-        return  # Hopper: fp8_block's prefill runs the block-scaled fp8 GEMM (backends/triton/block_scaled_mm.py)
+        return  # Hopper: fp8_block's prefill runs the block-scaled fp8 GEMM (backends/triton/quant/fp8_block_mm.py)
     else:
         where = "fp8_block weights: no block-scaled fp8 matmul here (it needs Hopper, torch >= 2.9 and CUDA >= 12.9)"
     c = model.kernels.choices["linear_q"]

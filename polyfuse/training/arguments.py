@@ -4,12 +4,12 @@ optimum-habana's names and meanings (``use_habana``, ``use_lazy_mode``, ``gaudi_
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from transformers import TrainingArguments
 
+from polyfuse.core import settings
 from polyfuse.core.platform import default_device_type, hpu_available
 from polyfuse.distributed.context import world_size_from_env
 
@@ -98,7 +98,7 @@ class PolyfuseTrainingArguments(TrainingArguments):
             # accelerate 1.10's FSDP plugin then asks for an accelerator's current device and raises on a CPU-only
             # run. It only matters for cpu_ram_efficient_loading (rank 0's weights broadcast), which a CPU run
             # does not use: off unless the user set it.
-            os.environ["FSDP_SYNC_MODULE_STATES"] = "false"
+            settings.set_for_child("FSDP_SYNC_MODULE_STATES", "false")
 
     def _join_gloo_group(self) -> None:
         """A CPU run under torchrun joins its gloo group here, waiting at most ``ddp_timeout`` seconds for the other
@@ -115,7 +115,7 @@ class PolyfuseTrainingArguments(TrainingArguments):
         except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError: the rendezvous failed
             from polyfuse.core.errors import one_line
 
-            rank, world = os.environ.get("RANK", "?"), world_size_from_env()
+            rank, world = settings.get("RANK", "?"), world_size_from_env()
             raise RuntimeError(
                 f"rank {rank} of {world}: the ranks did not all join within --ddp_timeout {self.ddp_timeout} s "
                 f"(a rank unreachable or not started?): {one_line(e)}"
@@ -143,11 +143,9 @@ class PolyfuseTrainingArguments(TrainingArguments):
         if (self.flash_attention_recompute or self.flash_attention_causal_mask) and not self.use_flash_attention:
             raise ValueError("--flash_attention_recompute / --flash_attention_causal_mask need --use_flash_attention")
         if self.use_habana:
-            from polyfuse.backends.hpu.runtime import (
-                lazy_mode_enabled,  # Habana's is_lazy(); eager by default on 1.21+
-            )
+            from polyfuse.core.runtime import runtime_class
 
-            bridge_lazy = lazy_mode_enabled()
+            bridge_lazy = runtime_class("hpu").lazy_mode_enabled()  # Habana's is_lazy(); eager by default on 1.21+
             if self.use_lazy_mode and not bridge_lazy:
                 raise ValueError(
                     "--use_lazy_mode: Habana runs in eager mode here; set PT_HPU_LAZY_MODE=1 before Python"

@@ -1,4 +1,6 @@
-"""Registers the NVIDIA-only implementations and the CUDA runtime (the ``cuda`` entry point). Imports no kernel."""
+"""Registers the NVIDIA-only implementations that need no Triton (SDPA's flash choice, fp8 through torch._scaled_mm,
+the symmetric-memory all-reduce) and the CUDA runtime (the ``cuda`` entry point). Imports no kernel and no other
+backend: the tuned Triton GEMV of ``linear`` is the ``triton`` plugin's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ DEVICES = ("cuda",)
 PLATFORMS = ("cuda",)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PRIORITY = 100
-GEMV_NOTE = "Triton GEMV on the one-row shapes tuned for this GPU (gemv_table), the next choice otherwise"
 
 
 def probe_sdpa(ctx: SelectionContext) -> Optional[str]:
@@ -27,22 +28,6 @@ def probe_sdpa(ctx: SelectionContext) -> Optional[str]:
         return "torch has no scaled_dot_product_attention"
     if ctx.dtype not in DTYPES:
         return f"dtype {str(ctx.dtype).replace('torch.', '')} unsupported"
-    return None
-
-
-def probe_gemv(ctx: SelectionContext) -> Optional[str]:
-    if ctx.training:
-        return "inference only"
-    from polyfuse.backends.cuda import gemv_table
-    from polyfuse.backends.triton.register import probe_triton
-
-    why = probe_triton(ctx)
-    if why is not None:
-        return why
-    if not gemv_table.TABLE:
-        gemv_table.TABLE.update(gemv_table.table_for(ctx.platform.device_name))
-    if not gemv_table.TABLE:
-        return f"no GEMV table tuned for {ctx.platform.device_name or 'this GPU'}"
     return None
 
 
@@ -61,6 +46,7 @@ def _scaled_mm() -> Implementation:
     return Implementation(
         "linear_q", "scaled_mm", BACKEND, DEVICES, lazy_function(mod, "linear_q"), PRIORITY - 10, probe_scaled_mm,
         note=SCALED_MM_NOTE, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_linear_q"), quiet_decline=True,
+        options=True,
     )  # fmt: skip
 
 
@@ -85,22 +71,12 @@ def _symm_all_reduce() -> Implementation:
     )  # fmt: skip
 
 
-def _gemv(op: str) -> Implementation:
-    mod = "polyfuse.backends.cuda.gemv_table"
-    return Implementation(
-        op, "triton_gemv", BACKEND, DEVICES, lazy_function(mod, op), PRIORITY, probe_gemv, supports_backward=False,
-        note=GEMV_NOTE, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_" + op), quiet_decline=True,
-    )  # fmt: skip
-
-
 def implementations() -> list[Implementation]:
     sdpa = lazy_function("polyfuse.backends.cuda.attention", "sdpa_attention")
     return [
         Implementation(
             "attention", "sdpa_flash", BACKEND, DEVICES, sdpa, PRIORITY, probe_sdpa, True, platforms=PLATFORMS
         ),
-        _gemv("linear"),
-        _gemv("swiglu_linear"),
         _scaled_mm(),
         _symm_all_reduce(),
     ]

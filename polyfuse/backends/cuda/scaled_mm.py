@@ -1,6 +1,6 @@
 """fp8 weights on NVIDIA's fp8 tensor cores: ``torch._scaled_mm`` with the activations quantized to e4m3 per token
 by plain torch ops (one scale per row: amax / 448; x * (448 / amax) rounded to e4m3), and the weight's per-channel
-scales (row-wise scaling, bfloat16 output). The Triton backend's triton:fp8_scaled_mm (backends/triton/scaled_mm.py)
+scales (row-wise scaling, bfloat16 output). The Triton backend's triton:fp8_scaled_mm (backends/triton/quant/fp8_scaled_mm.py)
 is the same GEMM with the per-token quantization in one kernel, ranked above this one; this is what runs without
 Triton.
 
@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_linear import fp8_token_rows, scaled_mm_refusal, scaled_mm_rows
 
 
-def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+def accepts_linear_q(x, qweight, bias=None, options=DEFAULT) -> Optional[str]:
     return scaled_mm_refusal(x, qweight)
 
 
@@ -27,6 +28,6 @@ def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_token_rows(x2)
 
 
-def linear_q(x, qweight, bias=None):
+def linear_q(x, qweight, bias=None, options=DEFAULT):
     xq, scale_a = quantize_rows(x.reshape(-1, qweight.shape[1]))
-    return scaled_mm_rows(xq, scale_a, qweight, x, bias)
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias, options)

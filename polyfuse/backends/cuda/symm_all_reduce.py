@@ -14,13 +14,12 @@ than ``MAX_BYTES`` (prefill, big-batch logits), non-contiguous ones or other dty
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 
-MAX_BYTES = int(os.environ.get("POLYFUSE_SYMM_ALL_REDUCE_MAX_BYTES", 1 << 20))
+MAX_BYTES = 1 << 20  # above it NCCL's bandwidth-optimal algorithms win
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BUFFERS: dict = {}  # (group name, device) -> symmetric uint8 buffer of MAX_BYTES
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Any, Optional
+
+from polyfuse.core import settings
 
 
 KERNELS = "habana_frameworks.torch.hpex.kernels"
@@ -63,7 +64,7 @@ def is_lazy() -> bool:
     fn = import_component(INTERNAL, "is_lazy")
     if fn is not None:
         return bool(fn())
-    return os.environ.get("PT_HPU_LAZY_MODE", "0") != "0"
+    return settings.get("PT_HPU_LAZY_MODE")
 
 
 @functools.lru_cache(maxsize=None)

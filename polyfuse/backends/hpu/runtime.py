@@ -161,6 +161,10 @@ class HpuRuntime(DeviceRuntime):
             logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled", rows)
 
     @classmethod
+    def lazy_mode_enabled(cls) -> bool:
+        return lazy_mode_enabled()
+
+    @classmethod
     def refusal(cls, flags: dict):
         lazy = lazy_mode_enabled()
         if flags.get("use_hpu_graphs") and not flags.get("torch_compile") and not lazy:

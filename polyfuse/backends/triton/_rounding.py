@@ -5,14 +5,15 @@ would make the interpreter tests measure a rounding the GPU never does; under ``
 is rounded by hand (bit arithmetic on the fp32 pattern), so both paths give the same bits.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from polyfuse.core import settings
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# Triton picks interpreter or compiler once, at its import; the jit-ed helpers need the answer as a constexpr.
+INTERPRET = settings.get("TRITON_INTERPRET")
 # Inline PTX (the quantized GEMVs' byte permutes) compiles on NVIDIA GPUs only: not under the interpreter (which
 # takes the Triton-arithmetic branch) and not on ROCm, where the Triton backend also runs.
 PTX = not INTERPRET and getattr(torch.version, "hip", None) is None

@@ -22,6 +22,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.attention import AttentionMeta
 
 
@@ -157,14 +158,7 @@ def _combine(ACC, M_IN, L_IN, OUT, b, g, HKV, N_REP, n_splits, n_live, so_b, so_
 
 # (keys per block, warps, software-pipelining stages) of a program for KV lengths below LONG and from LONG on, and the
 # programs per multiprocessor each aims at; heads of more than 128 take 32 keys per block (the short tile otherwise).
-# One H200, session 14, us per call (Llama-3-8B's 32 query / 8 KV heads of 128, all keys live, in a graph of calls
-# over caches that pass the L2), the short tile and 4 programs per SM -> the long tile and 2: KV length 2048 10.1 ->
-# 8.7-9, 4096 17.4 -> 12.9, 8192 24.9 -> 17.5, 16384 35.6 -> 27.7, 32768 55.8 -> 45.3; below 2048 the short tile won
-# (at 256: 5.2 us whatever the tile or split). Graphed decode of the 8B model with the head packed, 128 new tokens,
-# against the session's start (4 programs per SM, 64 keys, every split stored and combined): a 4000-token prompt fp8
-# 346.2 / 347.1 tok/s against 324.2 / 323.9, int4 347.0 / 347.1 against 327.1 / 328.5; a 128-token prompt in a cache
-# grown to 4224 by an earlier prompt fp8 381.2 / 380.8 against 329.5 / 329.8 (the live splits), int4 387.7 / 388.0
-# against 336.2 / 335.9; a fresh 256-key cache fp8 395.6 / 395.5 against 396.4 / 396.3, int4 unchanged.
+# On an H200 the long tile at 2 per SM took 13-27% off a call from 2048 keys on; below, the short tile won.
 TILE, LONG_TILE, LONG = (64, 4, 3), (128, 4, 2), 2048
 PER_SM, LONG_PER_SM = 4, 2
 
@@ -192,7 +186,7 @@ def _uses_keys(meta: AttentionMeta, lk: int) -> bool:
     return km is not None and cp is not None and km.shape[-1] >= lk
 
 
-def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta):
+def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta, options=DEFAULT):
     """None for a one-query inference step this kernel takes, else why not (the registry's next choice runs)."""
     lq, lk = q.shape[2], k.shape[2]
     if lq != 1:
@@ -211,7 +205,7 @@ def accepts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMe
     return None
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+def decode_attention(q, k, v, meta: AttentionMeta, options=DEFAULT) -> torch.Tensor:
     """Flash-decoding for Lq == 1 (inference), on inputs ``accepts`` took."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -254,6 +248,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: At
         RED_R=red_r, RED_S=max(2, min(triton.next_power_of_2(n_splits), 4096 // (red_r * max(16, d)) or 1)),
         UPCAST=upcast, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WINDOWED=use_keys and meta.window is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(q.device),
+        **pdl_options(q.device, options),
     )  # fmt: skip
     return out

@@ -5,17 +5,23 @@ Each program owns BLOCK_N output columns and reads its [BLOCK_N, K] slice of the
 tiles, accumulating w * x elementwise in fp32 and reducing once at the end; no split-K, so no second reduction
 kernel (cuBLAS picks split-K plus a reduce kernel for the narrow decode GEMMs). Inference only (no backward).
 It beats cuBLAS only on some shapes (measured by ``benchmarks/benchmark_linear.py``): which shapes, with which tiles,
-is a per-GPU table the registering backend owns (``polyfuse.backends.cuda.gemv_table``); ``tuned_linear`` and
-``tuned_swiglu_linear`` run the kernel with a table's tiles, and the registry sends every other call (declined by
-the backend's ``accepts``) to its next choice.
+is a per-GPU table (configs/gemv/<GPU>.json, tuned.py; keyed by the name ``torch.cuda.get_device_name`` reports, so
+another GPU, or a ROCm device, keeps cuBLAS until someone tunes it). ``linear`` / ``swiglu_linear`` (the
+implementations ``triton_gemv`` of those ops) take a one-row input of a tuned (N, K) shape without bias or gradients;
+``accepts_*`` decline every other call to the registry's next choice.
 """
+
+import functools
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton import tuned
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -54,7 +60,7 @@ def _gemv_kernel(
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor = None, block_n: int = 16, block_k: int = 512,
-         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:  # fmt: skip
+         num_warps: int = 4, num_stages: int = 3, options=DEFAULT) -> torch.Tensor:  # fmt: skip
     """x [M, K] (or the gate half with ``up`` [M, K] for SwiGLU), w [N, K] -> [M, N] in w's dtype."""
     m, k = x.shape
     n = w.shape[0]
@@ -69,18 +75,57 @@ def gemv(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor = None, block_n: int
         x, up if up is not None else x, w, y, n, k, x.stride(0), (up if up is not None else x).stride(0),
         w.stride(0), y.stride(0),
         M=m, SWIGLU=up is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(w.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(w.device, options),
     )  # fmt: skip
     return y
 
 
-def tuned_linear(x: torch.Tensor, weight: torch.Tensor, cfg: tuple) -> torch.Tensor:
-    """``F.linear(x, weight)`` for one row with the tiles ``cfg`` = (block_n, block_k, num_warps, num_stages)."""
+@functools.lru_cache(maxsize=None)
+def table_for(device_name: str, override: str = "") -> dict:
+    """{(N, K, swiglu): (block_n, block_k, num_warps, num_stages)} of the GPU named ``device_name`` (empty for a GPU
+    nobody tuned), with the ``tile_configs`` folder ``override``'s entries over it."""
+    table = tuned.table("gemv", device_name, override)
+    return {
+        (*tuned.shape_key(shape), op == "swiglu_linear"): tuple(tile)
+        for op in ("linear", "swiglu_linear")
+        for shape, tile in table.get(op, {}).items()
+    }
+
+
+def _tiles(weight: torch.Tensor, k: int, swiglu: bool, options) -> Optional[tuple]:
+    return table_for(tuned.gpu_name(weight.device), options.tile_configs).get((weight.shape[0], k, swiglu))
+
+
+def _refusal(x: torch.Tensor, weight: torch.Tensor, bias, swiglu: bool, options) -> Optional[str]:
     k = x.shape[-1]
-    return gemv(x.reshape(1, k), weight, None, *cfg).view(*x.shape[:-1], weight.shape[0])
+    if bias is not None or weight.dim() != 2 or x.numel() != k or x.dtype != weight.dtype:
+        return "not a one-row bias-free decode projection"
+    if _tiles(weight, k, swiglu, options) is None:
+        return "shape not in the tuned table"
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return "needs gradients"
+    return None
 
 
-def tuned_swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, cfg: tuple) -> torch.Tensor:
-    """``F.linear(silu(gate) * up, weight)`` for one row, SwiGLU applied in the GEMV's loads."""
+def accepts_linear(x, weight, bias=None, options=DEFAULT) -> Optional[str]:
+    return _refusal(x, weight, bias, False, options)
+
+
+def accepts_swiglu_linear(gate, up, weight, bias=None, options=DEFAULT) -> Optional[str]:
+    return _refusal(gate, weight, bias, True, options)
+
+
+def linear(x, weight, bias=None, options=DEFAULT):
+    """``F.linear(x, weight)`` for one row of a tuned shape, with its tiles."""
+    k = x.shape[-1]
+    cfg = _tiles(weight, k, False, options)
+    return gemv(x.reshape(1, k), weight, None, *cfg, options=options).view(*x.shape[:-1], weight.shape[0])
+
+
+def swiglu_linear(gate, up, weight, bias=None, options=DEFAULT):
+    """``F.linear(silu(gate) * up, weight)`` for one row of a tuned shape, SwiGLU applied in the GEMV's loads."""
     k = gate.shape[-1]
-    return gemv(gate.reshape(1, k), weight, up.reshape(1, k), *cfg).view(*gate.shape[:-1], weight.shape[0])
+    cfg = _tiles(weight, k, True, options)
+    return gemv(gate.reshape(1, k), weight, up.reshape(1, k), *cfg, options=options).view(
+        *gate.shape[:-1], weight.shape[0]
+    )

@@ -1,8 +1,10 @@
 """Registers the portable Triton kernels (the ``triton`` entry point). Importing this module imports no kernel and
-not triton: probes import triton once (cached), each kernel module is imported on its first call."""
+not triton: probes import triton once (cached), each kernel module is imported on its first call. Implementations
+registered with ``options=True`` get the run's KernelOptions (core/kernel_options.py): PDL, W4A8, tile tables."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -13,8 +15,6 @@ from polyfuse.core.context import SelectionContext
 from polyfuse.core.plugins import lazy_function
 from polyfuse.core.registry import Implementation
 from polyfuse.core.registry import register as register_impl
-from polyfuse.ops.act_int8 import GGUF_REQUESTED as GGUF_A8
-from polyfuse.ops.act_int8 import REQUESTED as INT4_A8
 
 
 BACKEND = "triton"
@@ -62,20 +62,43 @@ def probe_training_fold(ctx: SelectionContext) -> Optional[str]:
     return probe_triton(ctx)
 
 
-def _impl(op, name, module, attr, probe=probe_triton, priority=PRIORITY, backward=True, accepts=False, quiet=False):
+def probe_gemv(ctx: SelectionContext) -> Optional[str]:
+    """The one-row bf16 GEMV of ``linear`` / ``swiglu_linear``: inference, and a table tuned for this GPU."""
+    why = probe_inference(ctx)
+    if why is not None:
+        return why
+    from polyfuse.backends.triton.gemv import table_for
+
+    if not table_for(ctx.platform.device_name, ctx.options.tile_configs):
+        return f"no GEMV table tuned for {ctx.platform.device_name or 'this GPU'}"
+    return None
+
+
+def _impl(op, name, module, attr, probe=probe_triton, priority=PRIORITY, backward=True, accepts=False, quiet=False,
+          options=True):  # fmt: skip
+    """A Triton implementation: ``options``: its functions take the run's KernelOptions (PDL, tiles)."""
+    mod = f"polyfuse.backends.triton.{module}"
     return Implementation(
-        op, name, BACKEND, DEVICES, lazy_function(f"polyfuse.backends.triton.{module}", attr), priority, probe,
-        supports_backward=backward, platforms=PLATFORMS,
-        accepts=lazy_function(f"polyfuse.backends.triton.{module}", "accepts") if accepts else None,
-        quiet_decline=quiet,
+        op, name, BACKEND, DEVICES, lazy_function(mod, attr), priority, probe, supports_backward=backward,
+        platforms=PLATFORMS, accepts=lazy_function(mod, accepts) if accepts else None, quiet_decline=quiet,
+        options=options,
     )  # fmt: skip
+
+
+GEMV_NOTE = "Triton GEMV on the one-row shapes tuned for this GPU (configs/gemv), the next choice otherwise"
+
+
+def _gemv(op: str) -> Implementation:
+    """The tuned one-row GEMV: its tables are NVIDIA products' (a ROCm GPU keeps the library GEMM)."""
+    impl = _impl(op, "triton_gemv", "gemv", op, probe_gemv, backward=False, accepts="accepts_" + op, quiet=True)
+    return dataclasses.replace(impl, note=GEMV_NOTE, platforms=("cuda",))
 
 
 def implementations() -> list[Implementation]:
     return [
         _impl("rms_norm", "triton", "rms_norm", "rms_norm"),
         _impl("add_rms_norm", "triton", "add_rms_norm", "add_rms_norm"),
-        _impl("rotary", "triton", "rotary", "rotary"),
+        _impl("rotary", "triton", "rotary", "rotary", options=False),
         _impl("swiglu", "triton", "swiglu", "swiglu"),
         _impl(
             "rotary_kv_write",
@@ -84,15 +107,23 @@ def implementations() -> list[Implementation]:
             "rotary_kv_write",
             probe_inference,
             backward=False,
-            accepts=True,
-        ),
-        _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy"),
+            accepts="accepts",
+        ),  # fmt: skip
+        _impl("linear_cross_entropy", "triton_chunked", "linear_cross_entropy", "linear_cross_entropy", options=False),
         # PEFT's LoRA on polyfuse's projections: the low-rank adds (output, input gradient) in one pass each.
-        _impl("lora_linear", "triton", "lora_linear", "lora_linear"),
+        _impl("lora_linear", "triton", "lora_linear", "lora_linear", options=False),
         # Training's down projection: keeps no silu(gate) * up product (recomputed in the backward).
         _impl(
-            "swiglu_linear", "triton_recompute", "swiglu_linear", "swiglu_linear", probe_training_fold, PRIORITY - 1
-        ),
+            "swiglu_linear",
+            "triton_recompute",
+            "swiglu_linear",
+            "swiglu_linear",
+            probe_training_fold,
+            PRIORITY - 1,
+            options=False,
+        ),  # fmt: skip
+        _gemv("linear"),
+        _gemv("swiglu_linear"),
         # One-query decode steps only; prefill and anything else is declined to the next choice (SDPA).
         _impl(
             "attention",
@@ -102,28 +133,21 @@ def implementations() -> list[Implementation]:
             probe_inference,
             PRIORITY + 10,
             backward=False,
-            accepts=True,
+            accepts="accepts",
             quiet=True,
-        ),
+        ),  # fmt: skip
     ]
 
 
-A8_NOTE = ("; int4 on int8 activations (W4A8, dp4a: POLYFUSE_INT4_A8=1)" if INT4_A8 else "") + (
-    "; gguf_* on int8 activations (dp4a; POLYFUSE_GGUF_A8=0: float)" if GGUF_A8 else "; gguf_* on float activations"
-)
 QUANT_NOTE = (
-    "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q5_k/q6_k in its loads"
-    + A8_NOTE
+    "one row: Triton GEMV dequantizing int8/int4/fp8/fp8_block/gguf_q8_0/q4_0/q4_1/q4_k/q5_k/q6_k in its loads; "
+    "int4 on int8 activations with int4_a8 (W4A8, dp4a); gguf_* on int8 activations unless gguf_a8 is off"
 )
 GEMM_NOTE = (
     "2..64 rows, int4/int8/fp8: Triton GEMM dequantizing in its loads (int4, 2..16 rows: nibbles as tensor-core "
-    "operands)"
-    + (
-        "; gguf_*, 2..8 rows: rows quantized to int8, then the GGUF GEMV reading the weight once for all rows (dp4a)"
-        if GGUF_A8
-        else ""
-    )
-    + "; gguf_q4_0/q4_1 up to 64 rows, gguf_q8_0/q4_k up to 32: Triton GEMM dequantizing the blocks in its loads"
+    "operands, unless int4_mma is off); gguf_*, 2..8 rows with gguf_a8: rows quantized to int8, then the GGUF GEMV "
+    "reading the weight once for all rows (dp4a); gguf_q4_0/q4_1 up to 64 rows, gguf_q8_0/q4_k up to 32: Triton "
+    "GEMM dequantizing the blocks in its loads"
 )
 BLOCK_MM_NOTE = (
     "fp8_block, bf16, 2+ rows, Hopper: x quantized to e4m3 per token and 128 columns + torch._scaled_mm with 1 x 128 "
@@ -141,9 +165,9 @@ SWIGLU_SCALED_MM_NOTE = (
     "torch._scaled_mm"
 )
 NORM_GEMV_NOTE = (
-    "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV"
-    + (" (the norm's kernel quantizing its row to int8: W4A8)" if INT4_A8 else "")
-    + ("; gguf_*: the norm's kernel quantizing its row to int8, then the int8-activation GEMV" if GGUF_A8 else "")
+    "one row, int4: the norm's kernel lets the GEMV launch before it waits, then the one-row GEMV (with int4_a8: "
+    "the norm's kernel quantizing its row to int8); gguf_* with gguf_a8: the norm's kernel quantizing its row to "
+    "int8, then the int8-activation GEMV"
 )
 NORM_SCALED_MM_NOTE = (
     "per-channel fp8, bf16, > 64 rows: the norm's rows quantized to e4m3 per token in the norm's kernel + "
@@ -208,7 +232,7 @@ def probe_norm_scaled_mm(ctx: SelectionContext) -> Optional[str]:
 
 
 def probe_norm_gemv(ctx: SelectionContext) -> Optional[str]:
-    """add_rms_norm_linear_q's one-row int4 pair (norm_gemv.py): the run's Triton norms and its one-row GEMV, or the
+    """add_rms_norm_linear_q's one-row int4 pair (norm_gemv_q.py): the run's Triton norms and its one-row GEMV, or the
     composite where the run set them otherwise."""
     folded = (("rms_norm", "triton"), ("add_rms_norm", "triton"), ("linear_q", "gemv_q"))
     return set_otherwise(ctx, folded) or probe_inference(ctx)
@@ -226,12 +250,12 @@ def probe_swiglu_fold(name: str, base):
     return probe
 
 
-def _quant(op, name, module, priority, note, attr=None, probe=probe_inference):
-    mod = f"polyfuse.backends.triton.{module}"
+def _quant(op, name, module, priority, note, probe=probe_inference, options=True):
+    mod = f"polyfuse.backends.triton.quant.{module}"
     return Implementation(
-        op, name, BACKEND, DEVICES, lazy_function(mod, attr or op), priority, probe,
+        op, name, BACKEND, DEVICES, lazy_function(mod, op), priority, probe,
         supports_backward=False, note=note, platforms=PLATFORMS, accepts=lazy_function(mod, "accepts_" + op),
-        quiet_decline=True,
+        quiet_decline=True, options=options,
     )  # fmt: skip
 
 
@@ -243,25 +267,27 @@ def quant_implementations() -> list[Implementation]:
     Each declines (quietly: declining is the plan) what it does not take; the rest goes to the next choice, in the end
     the native dequantize + matmul (or, for swiglu_linear_q, the composite swiglu + linear_q, whose linear_q walks the
     same chain). ``add_rms_norm_linear_q`` has two forms: one row of int4, the norm's kernel launching the GEMV
-    first (norm_gemv.py), and the fp8 prefill, the norm's kernel quantizing its rows; the rest goes to the composite
+    first (norm_gemv_q.py), and the fp8 prefill, the norm's kernel quantizing its rows; the rest goes to the composite
     (the run's norm, then its ``linear_q``)."""
     out = []
     for op in ("linear_q", "swiglu_linear_q"):
         fold = probe_swiglu_fold if op == "swiglu_linear_q" else (lambda name, base: base)
-        out.append(_quant(op, "gemv_q", "quant_gemv", PRIORITY, QUANT_NOTE, probe=fold("gemv_q", probe_inference)))
-        out.append(_quant(op, "gemm_q", "quant_gemm", GEMM_PRIORITY, GEMM_NOTE, probe=fold("gemm_q", probe_inference)))
-        out.append(_quant(op, "fp8_scaled_mm", "scaled_mm", SCALED_MM_PRIORITY,
+        out.append(_quant(op, "gemv_q", "gemv_q", PRIORITY, QUANT_NOTE, probe=fold("gemv_q", probe_inference)))
+        out.append(_quant(op, "gemm_q", "gemm_q", GEMM_PRIORITY, GEMM_NOTE, probe=fold("gemm_q", probe_inference)))
+        out.append(_quant(op, "fp8_scaled_mm", "fp8_scaled_mm", SCALED_MM_PRIORITY,
                           SWIGLU_SCALED_MM_NOTE if op == "swiglu_linear_q" else SCALED_MM_NOTE,
                           probe=fold("fp8_scaled_mm", probe_scaled_mm)))  # fmt: skip
-    out.append(_quant("linear_q", "fp8_block_mm", "block_scaled_mm", BLOCK_MM_PRIORITY, BLOCK_MM_NOTE,
-                      probe=probe_block_scaled_mm))  # fmt: skip
-    out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE))
-    out.append(_quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv))
+    out.append(_quant("linear_q", "fp8_block_mm", "fp8_block_mm", BLOCK_MM_PRIORITY, BLOCK_MM_NOTE,
+                      probe=probe_block_scaled_mm, options=False))  # fmt: skip
+    out.append(_quant("linear_q", "dequant_mm", "dequant_mm", DEQUANT_PRIORITY, DEQUANT_NOTE, options=False))
+    out.append(
+        _quant("add_rms_norm_linear_q", "gemv_q", "norm_gemv_q", PRIORITY, NORM_GEMV_NOTE, probe=probe_norm_gemv)
+    )
     out.append(
         _quant(
             "add_rms_norm_linear_q",
             "fp8_scaled_mm",
-            "norm_quantize",
+            "norm_fp8_scaled_mm",
             SCALED_MM_PRIORITY,
             NORM_SCALED_MM_NOTE,
             probe=probe_norm_scaled_mm,

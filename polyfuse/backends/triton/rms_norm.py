@@ -12,6 +12,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows, sm_count
+from polyfuse.core.kernel_options import DEFAULT
 
 
 MAX_BLOCK = 65536
@@ -114,7 +115,7 @@ def _n_programs(device: torch.device, n_rows: int) -> int:
     return max(1, min(n_rows, 4 * sm_count(device) if device.type == "cuda" else 4))
 
 
-def rms_norm_forward(x2, weight, eps, residual2=None, early=False):
+def rms_norm_forward(x2, weight, eps, residual2=None, early=False, options=DEFAULT):
     """x2 [N, H] (unit column stride). Returns (y, rstd, r) where r is the summed residual (or x2 itself). ``early``:
     the next kernel may launch before this one waits for the one before (_pdl.launch_then_wait)."""
     n, h = x2.shape
@@ -144,7 +145,7 @@ def rms_norm_forward(x2, weight, eps, residual2=None, early=False):
             BLOCK=block,
             EARLY=early,
             num_warps=num_warps,
-            **pdl_options(x2.device),
+            **pdl_options(x2.device, options),
         )
     return y, rstd, r
 
@@ -183,10 +184,10 @@ def rms_norm_backward(dy2, x2, weight, rstd, dres2=None, dx_dtype=None):
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, options):
         h = x.shape[-1]
         x2 = rows(x, h)
-        y, rstd, _ = rms_norm_forward(x2, weight, eps)
+        y, rstd, _ = rms_norm_forward(x2, weight, eps, options=options)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(*x.shape[:-1], h)
@@ -196,9 +197,9 @@ class _RMSNorm(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         dy2 = rows(dy, x2.shape[1])
         dx, dw = rms_norm_backward(dy2, x2, weight, rstd)
-        return dx.view(ctx.x_shape), dw, None
+        return dx.view(ctx.x_shape), dw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, options=DEFAULT) -> torch.Tensor:
     """``weight * (x / sqrt(mean(x^2) + eps))`` with the native op's rounding; differentiable in x and weight."""
-    return _RMSNorm.apply(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps, options)

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton.rotary import _cos_sin, _load_cos_sin, _rotate_block, _unit_last
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def _rotary_kv_write_kernel(
         tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
-def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position):
+def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):
     """None when the kernel takes these inputs, else why not (the registry's next choice runs)."""
     return (
         "odd head dim" if q.shape[-1] % 2
@@ -57,7 +58,7 @@ def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position):
     )  # fmt: skip
 
 
-def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position):
+def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):
     b, hq, length, d = q.shape
     hkv = k.shape[1]
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
@@ -73,6 +74,7 @@ def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position):
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
-        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4, **pdl_options(q.device),
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_H=block_h, num_warps=4,
+        **pdl_options(q.device, options),
     )  # fmt: skip
     return qo

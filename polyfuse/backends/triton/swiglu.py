@@ -20,6 +20,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -57,7 +58,7 @@ def _block(i: int) -> int:
     return min(triton.next_power_of_2(max(i, 1)), 1024)
 
 
-def swiglu_forward(gate, up, early=False):
+def swiglu_forward(gate, up, early=False, options=DEFAULT):
     """silu(gate) * up by the forward kernel (no autograd node); ``early``: the next kernel may launch before this
     one waits (_pdl.launch_then_wait)."""
     if gate.shape != up.shape:
@@ -70,15 +71,15 @@ def swiglu_forward(gate, up, early=False):
         grid = (g2.shape[0], triton.cdiv(i, block))
         _swiglu_fwd_kernel[grid](
             g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), i, BLOCK=block, EARLY=early, num_warps=4,
-            **pdl_options(y.device),
+            **pdl_options(y.device, options),
         )  # fmt: skip
     return y.view(gate.shape)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
-        y = swiglu_forward(gate, up)
+    def forward(ctx, gate, up, options):
+        y = swiglu_forward(gate, up, options=options)
         ctx.save_for_backward(gate, up)
         ctx.overwrite = not (gate.is_leaf or up.is_leaf)  # never a caller's own tensors
         return y
@@ -92,7 +93,7 @@ class _SwiGLU(torch.autograd.Function):
             dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
             du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
         _backward_into(dy, gate, up, dg, du)
-        return dg, du
+        return dg, du, None
 
 
 class _SwiGLUHalves(torch.autograd.Function):
@@ -157,10 +158,10 @@ def _fused_source(gate: torch.Tensor, up: torch.Tensor):
     return x
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, options=DEFAULT) -> torch.Tensor:
     """``silu(gate) * up``; differentiable in gate and up."""
     if torch.is_grad_enabled() and gate.shape == up.shape and gate.dim() > 1:
         x = _fused_source(gate, up)
-        if x is not None:
+        if x is not None:  # training (gradients on): no PDL launch to configure
             return _SwiGLUHalves.apply(x)
-    return _SwiGLU.apply(gate, up)
+    return _SwiGLU.apply(gate, up, options)

@@ -8,7 +8,7 @@ checkpointing (issue 13: +0.25 GiB for the 1B shape at 8 x 2048 tokens). Here th
 backward writes over gate/up (as the Triton SwiGLU does). Training only: inference takes the GEMV or the composite.
 
 Opt-in (``swiglu_linear=triton_recompute``; backends/triton/register.py): measured on the H200 (Llama-3.2-1B shape,
-8 x 2048 tokens, checkpointing, run 18) it lowers the step's peak from 10.67 to 10.45 GiB but costs 5% of the speed
+8 x 2048 tokens, checkpointing) it lowers the step's peak from 10.67 to 10.45 GiB but costs 5% of the speed
 (56.0k against 59.0k tokens/s), so the composite stays the default.
 """
 

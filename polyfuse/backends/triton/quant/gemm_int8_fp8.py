@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import (
+from polyfuse.backends.triton._rounding import INTERPRET  # the interpreter has no bfloat16 dot: float32 products
+from polyfuse.backends.triton.quant.gemm_common import (
     BYTE_KINDS,
-    UPCAST_ALWAYS,
     byte_tile,
     dot_acc,
     launch_plan,
@@ -24,7 +24,8 @@ from polyfuse.backends.triton._qgemm import (
     store_tile,
     tiles_for,
 )
-from polyfuse.backends.triton._qgemv import counters, dense_rows, no_fp8_cvt, workspace
+from polyfuse.backends.triton.quant.gemv_common import counters, dense_rows, no_fp8_cvt, workspace
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -47,13 +48,13 @@ def _gemm_scaled_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
-def gemm_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
+def gemm_int8_fp8(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None, options=DEFAULT):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
     dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m; ``fp8_bits``
     decodes fp8 by integer arithmetic (default: on GPUs without fp8 conversions, before sm89)."""
     n, k = qw.shape
     m = x.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles)
+    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles, x.device, options)
     grid, per, split = launch_plan(m, n, k, x.device, (block_m, block_n, block_k), split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = workspace(split, m, n, x.device)
@@ -66,7 +67,7 @@ def gemm_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     _gemm_scaled_kernel[grid](
         x, u, w, scales, bias if bias is not None else y, y, ws, cnt, m, n, k, x.stride(0), u.stride(0),
         y.stride(0), w.stride(0), per,
-        SWIGLU=up is not None, KIND=kind, HAS_BIAS=bias is not None, UPCAST=UPCAST_ALWAYS or x.dtype == torch.float32,
+        SWIGLU=up is not None, KIND=kind, HAS_BIAS=bias is not None, UPCAST=INTERPRET or x.dtype == torch.float32,
         SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y

@@ -1,4 +1,4 @@
-"""Shared pieces of the dequantizing GEMMs (gemm_gptq.py: int4, gemm_scaled.py: int8 and fp8) and of the
+"""Shared pieces of the dequantizing GEMMs (gemm_int4.py: int4, gemm_int8_fp8.py: int8 and fp8) and of the
 dequantize kernel (dequant_mm.py): the weight tile dequantized in registers exactly as the reference does it
 (float32, then one rounding to the activations' dtype), the activation tile with SwiGLU folded in, the tile product,
 the split-K epilogue, the default tiles and the split choice.
@@ -9,16 +9,17 @@ in decode_attention.py) sums the partials in split order, adds the bias and roun
 kernel, and the sum does not depend on which program finishes last.
 """
 
-import json
-import os
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemv import e4m3_to_f32
-from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
+from polyfuse.backends.triton import tuned
+from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import sm_count
+from polyfuse.backends.triton.quant.gemv_common import e4m3_to_f32
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -45,7 +46,7 @@ def int4_tile(QW, QZ, S, GI, k0, k_end, n, n_mask, g_tile, sq_k, sz_g, ss_g,
         words = tl.load(QW + (k // 8)[:, None] * sq_k + n[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0)
         q = (words >> ((k % 8) * 4)[:, None]) & 15
     # q as a float without the int -> float conversion (a quarter-rate instruction): its bits OR-ed into the mantissa
-    # of 2^23 and bit-cast give 2^23 + q; minus (2^23 + z) gives q - z exactly (as gemv_gptq.py does).
+    # of 2^23 and bit-cast give 2^23 + q; minus (2^23 + z) gives q - z exactly (as gemv_int4.py does).
     qf = (q | 0x4B000000).to(tl.float32, bitcast=True)
     zshift = (n % 8) * 4
     if GATHER:
@@ -142,29 +143,26 @@ def store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m,
 
 # ---- launch choices -----------------------------------------------------------------------------------------------
 
-# Per format: (block_n, block_k, num_warps, num_stages); block_m follows the rows (16, 32 or 64: all rows of a decode
-# batch in one tile, so each weight byte is read once per call). The least time summed over the Llama-3-8B
-# projections at 16 rows on one H200 (benchmark_linear.py --rows 16 --quant int4,int8,fp8 --qsweep, run 21: the
-# same tile won for all three formats); POLYFUSE_QGEMM_TILES='{"int4": [64, 128, 4, 3]}' replaces entries.
-TILES = {"int4": (32, 128, 4, 4), "int8": (32, 128, 4, 4), "fp8": (32, 128, 4, 4)}
-# gemm_gguf.py (GGUF kept as stored, past the int8-activation GEMV's rows): at 16 rows (session 21, 12 tiles on the 8B
-# projections) 32 x 128 with 4 warps and 3 stages was the best or within 1% for Q4_1 and Q4_K
-TILES.update({f"gguf_{t}": (32, 128, 4, 3) for t in ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")})
-_env = os.environ.get("POLYFUSE_QGEMM_TILES")
-if _env:
-    TILES.update({k: tuple(v) for k, v in json.loads(_env).items()})
-# int4 unpacking: False loads each word per weight (cache hits), True once per 8 weights + reshape (see int4_tile).
-RESHAPE = os.environ.get("POLYFUSE_QGEMM_RESHAPE", "0") not in ("", "0")
-UPCAST_ALWAYS = INTERPRET  # the interpreter has no bfloat16 dot
+
+@functools.lru_cache(maxsize=None)
+def _tiles(device_name: str, override: str) -> dict:
+    return {fmt: tuple(e["tile"]) for fmt, e in tuned.table("qgemm", device_name, override).items()}
 
 
-def tiles_for(fmt: str, m: int, tiles=None) -> tuple:
+def gemm_tiles(device, options=DEFAULT) -> dict:
+    """{format: (block_n, block_k, num_warps, num_stages)} of ``device``'s GPU (configs/qgemm: its own file, else
+    the default), with the run's ``tile_configs`` over it; block_m follows the rows (16, 32 or 64: all rows of a
+    decode batch in one tile, so each weight byte is read once per call)."""
+    return _tiles(tuned.gpu_name(device), options.tile_configs)
+
+
+def tiles_for(fmt: str, m: int, tiles=None, device="cpu", options=DEFAULT) -> tuple:
     """(block_m, block_n, block_k, num_warps, num_stages) for ``m`` rows: ``tiles`` when given (5 values, or 4 with
-    block_m from the rows), else TILES[fmt]."""
+    block_m from the rows), else the table's for ``fmt``."""
     if tiles is not None and len(tiles) == 5:
         return tuple(tiles)
     block_m = min(64, max(16, triton.next_power_of_2(max(m, 1))))
-    block_n, block_k, num_warps, num_stages = tiles or TILES[fmt]
+    block_n, block_k, num_warps, num_stages = tiles or gemm_tiles(device, options)[fmt]
     if tiles is None and block_m == 64:
         num_warps = max(num_warps, 8)  # a 64 x 64 float32 accumulator plus the dequantized tile: more threads
     return block_m, block_n, block_k, num_warps, num_stages

@@ -1,6 +1,6 @@
 """Projections on int4 / int8 / fp8_block / GGUF weights for many rows (prefill): the weight dequantized once per call
 into a scratch tensor in the activations' dtype by one Triton kernel (GGUF blocks: dequant_gguf.py; Q4_K / Q6_K:
-dequant_kquant.py), then ``F.linear`` (cuBLAS on a GPU). Per-channel fp8 too where its e4m3 GEMMs do not take the call (float16 / float32 activations,
+dequant_gguf_kquant.py), then ``F.linear`` (cuBLAS on a GPU). Per-channel fp8 too where its e4m3 GEMMs do not take the call (float16 / float32 activations,
 GPUs before sm89); elsewhere they do (fp8_scaled_mm, cuda:scaled_mm, ranked below this one), so this declines it.
 
 The dequantized values are the reference's exactly (polyfuse/ops/quant_formats.py ``dequantize``: float32, one
@@ -9,10 +9,10 @@ temporaries (for int4 several [K, N] tensors of 4 bytes per weight): the kernel 
 writes 2 bytes per weight (bf16 / fp16). For a 2048-token prefill that write is small beside the GEMM's work. int4
 is written [K, N] (the packing's order, coalesced along N) and passed to F.linear transposed; the 1-byte formats
 [N, K]. fp8_block (1 x 128 scales, as compressed-tensors' 128 x 128 block checkpoints load: Qwen3's FP8 releases):
-its multi-row calls where the block-scaled fp8 GEMM (block_scaled_mm.py, Hopper, 2 rows or more) does not run. The
+its multi-row calls where the block-scaled fp8 GEMM (fp8_block_mm.py, Hopper, 2 rows or more) does not run. The
 native reference it replaces builds float32 temporaries of the whole weight (about 20 bytes of traffic per weight
 against this kernel's 3).
-Registered below the dequantizing GEMM (quant_gemm.py), which takes the few-row calls; inference only.
+Registered below the dequantizing GEMM (gemm_q.py), which takes the few-row calls; inference only.
 """
 
 from typing import Optional
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import BYTE_KINDS, RESHAPE, byte_tile, int4_tile
-from polyfuse.backends.triton._qgemv import dense_rows, no_fp8_cvt
 from polyfuse.backends.triton._rounding import cast_rne
-from polyfuse.backends.triton.gemm_gptq import int4_block_k
+from polyfuse.backends.triton.quant.gemm_common import BYTE_KINDS, byte_tile, int4_tile
+from polyfuse.backends.triton.quant.gemm_int4 import int4_block_k
+from polyfuse.backends.triton.quant.gemv_common import dense_rows, no_fp8_cvt
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 from polyfuse.ops.quant_linear import scaled_mm_refusal
 
@@ -64,11 +64,11 @@ def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
     """dequantize(qw, dtype) by one kernel: the [N, K] weight (int4: a transposed view of a [K, N] tensor)."""
     n, k = qw.shape
     if qw.format in K_QUANTS:
-        from polyfuse.backends.triton.dequant_kquant import dequantize_kquant
+        from polyfuse.backends.triton.quant.dequant_gguf_kquant import dequantize_kquant
 
         return dequantize_kquant(qw, dtype)
     if qw.format.startswith("gguf"):
-        from polyfuse.backends.triton.dequant_gguf import dequantize_gguf
+        from polyfuse.backends.triton.quant.dequant_gguf import dequantize_gguf
 
         return dequantize_gguf(qw, dtype)
     block_n, block_k, num_warps = TILE
@@ -81,7 +81,7 @@ def dequantize_q(qw, dtype: torch.dtype) -> torch.Tensor:
         _dequant_kernel[grid](
             qweight, qzeros, scales, g_idx, wd, n, k, qw.group_size, qweight.stride(0), qzeros.stride(0),
             scales.stride(0), wd.stride(0),
-            INT4=True, GATHER=gather, RESHAPE=RESHAPE, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+            INT4=True, GATHER=gather, RESHAPE=False, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
         )  # fmt: skip
         return wd.t()
     wd = torch.empty((n, k), dtype=dtype, device=qw.device)

@@ -1,6 +1,6 @@
 """int4 weights in AutoGPTQ's layout times 2..16 rows (batch decode), the products on the tensor cores.
 
-The CUDA-core kernels (gemv_gptq.py for one row, gemm_gptq.py for more) spend several instructions per weight (a
+The CUDA-core kernels (gemv_int4.py for one row, gemm_int4.py for more) spend several instructions per weight (a
 byte permute and an FMA, or a float dequantization and a rounding, per weight); here a weight costs about one logic
 instruction. qweight [K/8, N] words are copied to shared memory by the software pipeline and read back in the tensor
 core's operand layout (Triton hoists the decode past the layout change: two consecutive words per register pair),
@@ -17,35 +17,30 @@ long K. The dequantized weight is never rounded to the activations' dtype (as in
 The activations are first rewritten plane by plane (_plane_major_kernel, one small launch), so that plane i's 16
 values are contiguous and ride the pipeline with the weights; read in place, every eighth value, each plane's operand
 went through registers and shared memory with a barrier. On an H200 at 16 rows that took the 8B gate/up from 50.1 to
-36.1 us and the decode at batch 16 from 3266 to 4292 tok/s (4237 with the final encoding, another call). SPLIT > 1 splits K over programs; the tile's last
-program adds the partials in split order (_qgemm.store_tile). Under the CPU interpreter (no bf16 products there) the
-planes and activations are float32: the same exact products. One row stays on gemv_gptq.py: it was as fast or
+36.1 us and the decode at batch 16 from 3266 to 4292 tok/s. SPLIT > 1 splits K over programs; the tile's last
+program adds the partials in split order (gemm_common.store_tile). Under the CPU interpreter (no bf16 products there) the
+planes and activations are float32: the same exact products. One row stays on gemv_int4.py: it was as fast or
 faster there on every Llama projection.
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemm import store_tile
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemm_common import store_tile
+from polyfuse.backends.triton.quant.gemv_common import (
     counters,
     dense_rows,
+    gemv_tiles,
     int4_group_term,
-    programs_per_sm,
     split_plan,
-    tiles_for,
     workspace,
 )
-from polyfuse.backends.triton._rounding import PTX
+from polyfuse.core.kernel_options import DEFAULT
 
 
-# POLYFUSE_INT4_MMA=0 (read at import; a module attribute, so benchmarks can switch it) keeps int4 on the CUDA-core
-# GEMV (gemv_gptq.py) and the dequantizing GEMM (gemm_gptq.py).
-ENABLED = os.environ.get("POLYFUSE_INT4_MMA", "1") != "0"
 TILE_K = 128  # weights along K per tile: 16 words of 8 nibbles (the mma's K of 16 per plane)
 
 
@@ -166,17 +161,22 @@ def _gemv_gptq_mma_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, n, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, 16, BLOCK_N)
 
 
-# One row: gemv_gptq.py (session 11, one H200, us: 8B qkv 11.85 vs 12.56 here, o 10.34 vs 10.73, gate/up 30.53 vs
-# 33.04, down 20.22 vs 20.27, LM head 99.4 vs 117.6; 70B within 1% on o and down, slower on qkv and gate/up).
-# 16: the rows of the mma tile.
+# One row stays on gemv_int4.py (as fast or faster on every Llama projection on an H200); 16: the mma tile's rows.
 MIN_ROWS, MAX_ROWS = 2, 16
 
 
-def accepts(x: torch.Tensor, up, qw) -> bool:
-    """Whether this kernel takes the call: 2..16 rows, in-order groups of a multiple of 128 weights, K a multiple of
+def accepts(x: torch.Tensor, up, qw, options=DEFAULT) -> bool:
+    """Whether this kernel takes the call: the run's ``int4_mma`` option on (off: gemm_int4.py), 2..16 rows, in-order groups of a multiple of 128 weights, K a multiple of
     128, no SwiGLU fold, fp16/bf16 activations, a GPU with bf16 tensor cores (sm80+) or the CPU interpreter."""
     n, k = qw.shape
-    if not ENABLED or up is not None or qw.act_order or qw.group_size <= 0 or qw.group_size % TILE_K or k % TILE_K:
+    if (
+        not options.int4_mma
+        or up is not None
+        or qw.act_order
+        or qw.group_size <= 0
+        or qw.group_size % TILE_K
+        or k % TILE_K
+    ):
         return False
     if torch.version.hip is not None:  # no PTX there, and the float32-plane path was never measured on ROCm
         return False
@@ -185,17 +185,18 @@ def accepts(x: torch.Tensor, up, qw) -> bool:
     return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
+def gemm_int4_mma(x, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [M, K] (M <= 16, unit column stride) @ dequantize(qw).T -> [M, N] in x's dtype (+ bias); ``accepts``
     must hold."""
     n, k = qw.shape
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"gemv_gptq_mma: 1..{MAX_ROWS} rows, not {m}")
-    block_n, _, num_warps, num_stages = tiles or tiles_for("int4_mma", n, k)
+        raise ValueError(f"gemm_int4_mma: 1..{MAX_ROWS} rows, not {m}")
+    table = gemv_tiles(x.device, options)
+    block_n, _, num_warps, num_stages = tiles or table.tile("int4_mma", n, k)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
-    split, per = split_plan(grid_n, k8, TILE_K // 8, x.device, split, programs_per_sm("int4_mma", n, k))
+    split, per = split_plan(grid_n, k8, TILE_K // 8, x.device, split, table.programs_per_sm("int4_mma", n, k))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = workspace(split, m, n, x.device)
     cnt = counters(x.device, grid_n)
@@ -203,7 +204,7 @@ def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
     xp = torch.empty((m, k), dtype=x.dtype, device=x.device)
     tiles_per_program = 8
     _plane_major_kernel[(m, triton.cdiv(k // TILE_K, tiles_per_program))](
-        x, xp, k, x.stride(0), TILES=tiles_per_program, num_warps=4, **pdl_options(x.device)
+        x, xp, k, x.stride(0), TILES=tiles_per_program, num_warps=4, **pdl_options(x.device, options)
     )
     x = xp
     _gemv_gptq_mma_kernel[(grid_n, 1, split)](
@@ -211,6 +212,6 @@ def gemv_gptq_mma(x, qw, bias=None, tiles=None, split=None):
         x.stride(0), y.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), per, split,
         HAS_BIAS=bias is not None, BLOCK_N=block_n, STAGES=num_stages, ASM=PTX,
         FP16=x.dtype == torch.float16, XBLOCK=128, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return y

@@ -1,5 +1,6 @@
-"""GGUF weights on int8 activations at one row and, through quant_gemm.py, 2..8 rows (``POLYFUSE_GGUF_A8``): the switch, what it takes, the dispatch, and
-the kernel of the 32-weight types Q8_0 / Q4_0 / Q4_1 (the K-quants' kernels are gemv_kquant_a8.py's).
+"""GGUF weights on int8 activations at one row and, through gemm_q.py, 2..8 rows (the kernel option ``gguf_a8``, on
+by default): what it takes, the dispatch, and the kernel of the 32-weight types Q8_0 / Q4_0 / Q4_1 (the K-quants'
+kernels are gemv_gguf_kquant_a8.py's).
 
 As llama.cpp's CUDA backend (and vLLM's GGUF kernels, which are llama.cpp's) run every GGUF type on q8_1
 activations: the row is quantized to int8 in blocks of 32 in natural order (act_int8.py; ops/act_int8.py has the
@@ -13,32 +14,22 @@ block's dequantized sum): the integer sums exact, the rest float32.
 Q4_1's 20-byte blocks are five aligned words (d and m, then the quants). Q4_0's 18 and Q8_0's 34 bytes put every
 other block 2 bytes off a word boundary, so blocks are read by pairs (9 / 17 words, rows of an even number of blocks):
 the pair's second block's quants are whole words, the first's each the high half of one word and the low half of the
-next. Split-K with the last program adding the partials (_qgemv.store_out).
+next. Split-K with the last program adding the partials (gemv_common.store_out).
 """
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
-    programs_per_sm,
-    row_chunks,
-    row_tiles,
-    split_buffers,
-    split_plan,
-    store_tile,
-)
 from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row, takes_rows
-from polyfuse.backends.triton.gemv_kquant_a8 import _dp4a, _fp16_half, gemv_kquant_a8
-from polyfuse.ops.act_int8 import GGUF_REQUESTED, takes_gguf
+from polyfuse.backends.triton.quant.act_int8 import takes_row, takes_rows
+from polyfuse.backends.triton.quant.gemv_common import gemv_tiles, row_chunks, split_buffers, split_plan, store_tile
+from polyfuse.backends.triton.quant.gemv_gguf_kquant_a8 import _dp4a, _fp16_half, gemv_gguf_kquant_a8
+from polyfuse.core.kernel_options import DEFAULT
+from polyfuse.ops.act_int8 import takes_gguf
 from polyfuse.ops.quant_formats import GGUF_BYTES, K_QUANTS
 
-
-ENABLED = GGUF_REQUESTED
 
 # format -> (FMT code, quant words per block, PAIRED: blocks read by pairs)
 LAYOUT = {"gguf_q8_0": (0, 8, True), "gguf_q4_0": (1, 4, True), "gguf_q4_1": (2, 4, False)}
@@ -116,38 +107,39 @@ def _gemv_gguf_a8_kernel(
     store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
-# Rows of a call that the multi-row launches take (each launch up to _qgemv.ROWS_PER_LAUNCH of them, reading the
-# weight once): more go to quant_gemm.py's other choices (gemm_gguf.py: Q4_0 / Q4_1 up to 64 rows, Q8_0 / Q4_K up to
-# 32; else dequantize + cuBLAS, dequant_mm.py). POLYFUSE_GGUF_A8_MAX_ROWS moves the bound.
-MAX_ROWS = int(os.environ.get("POLYFUSE_GGUF_A8_MAX_ROWS", "8"))
+# Rows of a call that the multi-row launches take (each launch up to gemv_common.ROWS_PER_LAUNCH of them, reading the
+# weight once): more go to gemm_q.py's other choices (gemm_gguf.py: Q4_0 / Q4_1 up to 64 rows, Q8_0 / Q4_K up to
+# 32; else dequantize + cuBLAS, dequant_mm.py). 16 rows in one launch tied dequantize + cuBLAS on an H200.
+MAX_ROWS = 8
 
 
-def accepts_rows(x: torch.Tensor, qw, up=None) -> bool:
+def accepts_rows(x: torch.Tensor, qw, up=None, options=DEFAULT) -> bool:
     """Whether the GGUF A8 path takes a call of 2..MAX_ROWS rows (batch decode): as ``accepts`` for one row."""
     k = qw.shape[1]
     rows = x.numel() // max(k, 1)
-    return ENABLED and 2 <= rows <= MAX_ROWS and takes_gguf(qw) and takes_rows(x, k, up)
+    return options.gguf_a8 and 2 <= rows <= MAX_ROWS and takes_gguf(qw) and takes_rows(x, k, up)
 
 
-def accepts(x: torch.Tensor, qw, up=None) -> bool:
-    """Whether the GGUF A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), a GGUF
+def accepts(x: torch.Tensor, qw, up=None, options=DEFAULT) -> bool:
+    """Whether the GGUF A8 path takes a call: the run's ``gguf_a8`` option on, one row (``up``, SwiGLU's, of x's shape and dtype), a GGUF
     type kept as stored (ops/act_int8.py ``takes_gguf``; Q8_0 / Q4_0 with K a multiple of 64), a float activation
     dtype, inline PTX (NVIDIA sm61+: dp4a) or the CPU interpreter."""
-    return ENABLED and takes_gguf(qw) and takes_row(x, qw.shape[1], up)
+    return options.gguf_a8 and takes_gguf(qw) and takes_row(x, qw.shape[1], up)
 
 
-def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None, options=DEFAULT):
     """(xw, dx, rs) of one row ([K / 4], [K / 32]) or of M rows ([M, K / 4], [M, K / 32]) in natural order
     (act_int8.py) @ dequantize(qw).T -> [M, N] in ``dtype`` (+ bias), for every GGUF type ``accepts`` takes (the
-    K-quants through gemv_kquant_a8.py). Several rows: each launch takes up to _qgemv.ROWS_PER_LAUNCH of them against
+    K-quants through gemv_gguf_kquant_a8.py). Several rows: each launch takes up to gemv_common.ROWS_PER_LAUNCH of them against
     the tile's weight rows, K not split."""
     if qw.format in K_QUANTS:
-        return gemv_kquant_a8(xq, qw, dtype, bias, tiles, split)
+        return gemv_gguf_kquant_a8(xq, qw, dtype, bias, tiles, split, options)
     xw, dx, rs = xq
     n, k = qw.shape
     fmt_code, words, pairs = LAYOUT[qw.format]
     rows = xw.numel() // (k // 4)
-    block_n, block_k, num_warps, num_stages = tiles or row_tiles(qw.format + "_a8", n, k, rows)
+    table = gemv_tiles(xw.device, options)
+    block_n, block_k, num_warps, num_stages = tiles or table.row_tile(qw.format + "_a8", n, k, rows)
     block_b = max(1, block_k // 32)
     assert block_b & (block_b - 1) == 0, "block_k / 32 blocks per step: a power of 2"
     w = qw.qweight
@@ -158,10 +150,10 @@ def gemv_gguf_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split
     y = torch.empty((rows, n), dtype=dtype, device=xw.device)
     w32, b = w.view(torch.int32), bias if bias is not None else y
     consts = dict(FMT=fmt_code, Q=words, PAIRED=pairs, HAS_BIAS=bias is not None, BLOCK_B=block_b, ASM=PTX,
-                  num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device))  # fmt: skip
+                  num_warps=num_warps, num_stages=num_stages, **pdl_options(xw.device, options))  # fmt: skip
     if rows == 1:
         grid_n = triton.cdiv(n, block_n)
-        split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
+        split, per = split_plan(grid_n, nb, block_b, xw.device, split, table.programs_per_sm(qw.format + "_a8", n, k))
         ws, cnt = split_buffers(split, grid_n, n, xw.device)
         _gemv_gguf_a8_kernel[(grid_n, split)](
             xw, dx, rs, w32, b, y, ws, cnt, n, nb, w.stride(0) // 4, per, 1, SPLIT=split, BLOCK_N=block_n, M=1,

@@ -3,7 +3,7 @@ Triton kernel, then ``torch._scaled_mm`` with row-wise scales (ops/quant_linear.
 
 The plain-torch quantization (backends/cuda/scaled_mm.py: abs, amax, a float32 copy, a multiply, a clamp, a cast)
 reads and writes the activations six times per projection; on a 2048-token prefill of the Llama-3-8B shape that made
-the fp8 prefill no faster than bf16 (50.2 against 49.5 ms, docs/benchmarks.md run 16). Here each program reads its
+the fp8 prefill no faster than bf16 (50.2 against 49.5 ms on an H200). Here each program reads its
 rows (one, or a few short ones: TILES) once, takes each row's amax, and writes the e4m3 rows and their float32 scales:
 the same arithmetic (amax = max(|x|, 1e-12), x * (448 / amax) clamped to +-448, rounded to nearest even; scale amax /
 448: two IEEE divisions per row, none per element), so both quantize a row to the same bytes. On the GPU the e4m3
@@ -15,7 +15,7 @@ activations' dtype (as the separate SwiGLU kernel stores it) and quantizes it in
 product is never written in bfloat16 and read back (on the 8B shape at 2048 tokens: 58 MB each way per layer).
 
 Takes what ``scaled_mm_refusal`` allows with more than MAX_GEMM_ROWS rows (fewer go to the dequantizing GEMM,
-quant_gemm.py, which reads the fp8 weight directly and keeps the activations in bf16), rows of at most MAX_K
+gemm_q.py, which reads the fp8 weight directly and keeps the activations in bf16), rows of at most MAX_K
 elements (one program holds a row); declines the rest to cuda:scaled_mm (swiglu_linear_q: the composite) and then
 the native reference.
 """
@@ -28,7 +28,8 @@ import triton.language as tl
 
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.quant_gemm import MAX_ROWS
+from polyfuse.backends.triton.quant.gemm_q import MAX_ROWS
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import FP8_MAX
 from polyfuse.ops.quant_linear import scaled_mm_refusal, scaled_mm_rows
 
@@ -91,7 +92,7 @@ def _swiglu_quantize_rows_kernel(
     _store_quantized_rows(y, Q, S, r, M, sq, k, mask, FP8_MAX, HW_CVT)
 
 
-# (rows per program, warps) by the row's power-of-two length, from run 24's sweep on the H200 (2048 rows).
+# (rows per program, warps) by the row's power-of-two length, from a sweep on the H200 (2048 rows).
 TILES = {4096: (4, 16), 8192: (2, 16), 16384: (1, 32)}
 
 
@@ -125,7 +126,7 @@ def swiglu_quantize_rows(g2: torch.Tensor, u2: torch.Tensor) -> tuple[torch.Tens
     return launch_quantizing(_swiglu_quantize_rows_kernel, (g2, u2), (g2.stride(0), u2.stride(0)), m, k, g2.device)
 
 
-def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
+def accepts_linear_q(x, qweight, bias=None, options=DEFAULT) -> Optional[str]:
     why = scaled_mm_refusal(x, qweight)
     if why is not None:
         return why
@@ -137,7 +138,7 @@ def accepts_linear_q(x, qweight, bias=None) -> Optional[str]:
     return None
 
 
-def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
+def accepts_swiglu_linear_q(gate, up, qweight, bias=None, options=DEFAULT) -> Optional[str]:
     if up.shape != gate.shape or up.dtype != gate.dtype:
         return "gate and up differ in shape or dtype"
     if torch.is_grad_enabled() and up.requires_grad:
@@ -145,12 +146,12 @@ def accepts_swiglu_linear_q(gate, up, qweight, bias=None) -> Optional[str]:
     return accepts_linear_q(gate, qweight, bias)
 
 
-def linear_q(x, qweight, bias=None):
+def linear_q(x, qweight, bias=None, options=DEFAULT):
     xq, scale_a = quantize_rows(rows(x, qweight.shape[1]))
-    return scaled_mm_rows(xq, scale_a, qweight, x, bias)
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias, options)
 
 
-def swiglu_linear_q(gate, up, qweight, bias=None):
+def swiglu_linear_q(gate, up, qweight, bias=None, options=DEFAULT):
     k = qweight.shape[1]
     xq, scale_a = swiglu_quantize_rows(rows(gate, k), rows(up, k))
-    return scaled_mm_rows(xq, scale_a, qweight, gate, bias)
+    return scaled_mm_rows(xq, scale_a, qweight, gate, bias, options)

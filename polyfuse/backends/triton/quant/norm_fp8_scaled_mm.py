@@ -26,12 +26,13 @@ import triton.language as tl
 
 from polyfuse.backends.triton._rounding import cast_rne
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.scaled_mm import _store_quantized_rows, accepts_linear_q, launch_quantizing
+from polyfuse.backends.triton.quant.fp8_scaled_mm import _store_quantized_rows, accepts_linear_q, launch_quantizing
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_linear import scaled_mm_rows
 
 
-# (rows per program, warps) by the row's power-of-two length: one row per program (H200, 2048 rows, session 13: at
-# H = 4096 17.2 us against 18.6 with the quantizing kernel's 4 rows / 16 warps; at 8192 33.6 against 36.3 with 2 / 16).
+# (rows per program, warps) by the row's power-of-two length: one row per program (H200, 2048 rows: 7-8% less time
+# than the quantizing kernel's tiles).
 TILES = {4096: (1, 4), 8192: (1, 8)}
 
 
@@ -69,7 +70,7 @@ def add_rms_norm_quantize(x2: torch.Tensor, res2: Optional[torch.Tensor], weight
     return q, s, r
 
 
-def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) -> Optional[str]:
+def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None, options=DEFAULT) -> Optional[str]:
     why = accepts_linear_q(x, qweight, bias)  # the format and the row count first: decode declines here
     if why is not None:
         return why
@@ -82,8 +83,8 @@ def accepts_add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None) 
     return None
 
 
-def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None):
+def add_rms_norm_linear_q(x, residual, weight, eps, qweight, bias=None, options=DEFAULT):
     h = x.shape[-1]
     x2 = rows(x, h)
     xq, scale_a, r2 = add_rms_norm_quantize(x2, rows(residual, h) if residual is not None else None, weight, eps)
-    return scaled_mm_rows(xq, scale_a, qweight, x, bias), (r2.view(x.shape) if residual is not None else x)
+    return scaled_mm_rows(xq, scale_a, qweight, x, bias, options), (r2.view(x.shape) if residual is not None else x)

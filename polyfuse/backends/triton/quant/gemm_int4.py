@@ -8,16 +8,15 @@ packed weight byte is read once per call) and walks its share of K in BLOCK_K st
 act-order g_idx: gathered per weight), dequantized in registers to float32, rounded to the activations' dtype, then
 a tensor-core tl.dot with the activation tile, accumulated in float32. SWIGLU folds silu(gate) * up into the
 activation loads (the down projection). SPLIT > 1 splits K over programs; the tile's last program adds the float32
-partials (_qgemm.store_tile), so a call is one launch. Inference only.
+partials (gemm_common.store_tile), so a call is one launch. Inference only.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import (
-    RESHAPE,
-    UPCAST_ALWAYS,
+from polyfuse.backends.triton._rounding import INTERPRET  # the interpreter has no bfloat16 dot: float32 products
+from polyfuse.backends.triton.quant.gemm_common import (
     dot_acc,
     int4_tile,
     launch_plan,
@@ -25,7 +24,8 @@ from polyfuse.backends.triton._qgemm import (
     store_tile,
     tiles_for,
 )
-from polyfuse.backends.triton._qgemv import counters, dense_rows, workspace
+from polyfuse.backends.triton.quant.gemv_common import counters, dense_rows, workspace
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -60,12 +60,13 @@ def int4_block_k(qw, block_k: int) -> tuple[int, bool]:
     return block_k, gather
 
 
-def gemm_gptq(x, up, qw, bias=None, tiles=None, split=None, reshape=None):
+def gemm_int4(x, up, qw, bias=None, tiles=None, split=None, reshape=False, options=DEFAULT):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
-    dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m."""
+    dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m; ``reshape``:
+    unpack each word once and expand it in registers (gemm_common.int4_tile; measured, not faster)."""
     n, k = qw.shape
     m = x.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = tiles_for("int4", m, tiles)
+    block_m, block_n, block_k, num_warps, num_stages = tiles_for("int4", m, tiles, x.device, options)
     block_k, gather = int4_block_k(qw, block_k)
     grid, per, split = launch_plan(m, n, k, x.device, (block_m, block_n, block_k), split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -77,8 +78,8 @@ def gemm_gptq(x, up, qw, bias=None, tiles=None, split=None, reshape=None):
         x, u, qweight, qzeros, scales, g_idx, bias if bias is not None else y, y, ws, cnt, m, n, k,
         qw.group_size, x.stride(0), u.stride(0), y.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
         per,
-        SWIGLU=up is not None, GATHER=gather, RESHAPE=RESHAPE if reshape is None else bool(reshape),
-        HAS_BIAS=bias is not None, UPCAST=UPCAST_ALWAYS or x.dtype == torch.float32, SPLIT=split,
+        SWIGLU=up is not None, GATHER=gather, RESHAPE=bool(reshape),
+        HAS_BIAS=bias is not None, UPCAST=INTERPRET or x.dtype == torch.float32, SPLIT=split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y

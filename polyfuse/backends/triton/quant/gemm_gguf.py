@@ -1,13 +1,13 @@
 """Dequantizing GEMM on GGUF weights kept as stored (Q8_0 / Q4_0 / Q4_1 and the K-quants Q4_K / Q5_K / Q6_K), for a
-few rows (quant_gemm.py takes it past the int8-activation GEMV's 8 rows for Q4_0 / Q4_1 up to 64 and Q8_0 / Q4_K up
-to 32: where it was measured faster than dequantize + cuBLAS; quant_gemm.GGUF_GEMM).
+few rows (gemm_q.py takes it past the int8-activation GEMV's 8 rows for Q4_0 / Q4_1 up to 64 and Q8_0 / Q4_K up
+to 32: where it was measured faster than dequantize + cuBLAS; gemm_q.GGUF_GEMM).
 
 y[M, N] = x[M, K] @ w[K, N], w[k, n] the reference's dequantized weight (quant_formats ``dequantize``). Grid (N
-tiles, M tiles, K splits) as gemm_scaled.py's: each program owns a [BLOCK_M, BLOCK_N] output tile (BLOCK_M covers a
+tiles, M tiles, K splits) as gemm_int8_fp8.py's: each program owns a [BLOCK_M, BLOCK_N] output tile (BLOCK_M covers a
 decode batch, so each packed byte is read once per call) and walks its share of K in BLOCK_K steps; each step builds
 the weight tile as [BLOCK_K / 32 groups of 32 weights, 32, BLOCK_N] from the blocks' bytes (a 32-weight block, or one
 32-weight sub-block of a 256-weight super-block, is one group: its scale, and min, per group), computes every weight
-as dequant_gguf.py / dequant_kquant.py do (exact float32 products, so after the rounding to the activations' dtype
+as dequant_gguf.py / dequant_gguf_kquant.py do (exact float32 products, so after the rounding to the activations' dtype
 the reference's bits), and multiplies it on the tensor cores with the activation tile (float activations: weight-only,
 unlike the int8-activation GEMV). SWIGLU folds silu(gate) * up into the activation loads. Inference only.
 dequant_mm.py instead writes the whole weight in the activations' dtype and runs cuBLAS: about 4.5 bytes of traffic
@@ -18,9 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton._qgemm import UPCAST_ALWAYS, dot_acc, launch_plan, load_a, store_tile, tiles_for
-from polyfuse.backends.triton._qgemv import counters, workspace
-from polyfuse.backends.triton.gemv_kquant import q4_k_scale_min, q6_k_quants, q45_k_quants
+from polyfuse.backends.triton._rounding import INTERPRET  # the interpreter has no bfloat16 dot: float32 products
+from polyfuse.backends.triton.quant.gemm_common import (
+    dot_acc,
+    launch_plan,
+    load_a,
+    store_tile,
+    tiles_for,
+)
+from polyfuse.backends.triton.quant.gemv_common import counters, workspace
+from polyfuse.backends.triton.quant.gemv_gguf_kquant import q4_k_scale_min, q6_k_quants, q45_k_quants
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -93,13 +101,13 @@ def _gemm_gguf_kernel(
     store_tile(acc, Y, B, WS, CNT, rows, cols, r_mask, n_mask, M, N, sy_m, HAS_BIAS, SPLIT, BLOCK_M, BLOCK_N)
 
 
-def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None):
+def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [M, K] (the gate with ``up`` [M, K] for SwiGLU; unit column stride) @ dequantize(qw).T -> [M, N] in x's
     dtype (+ bias). ``tiles``: (block_m, block_n, block_k, num_warps, num_stages), or without block_m; block_k a
     multiple of 32 (K-quants: of 256 is not needed, K is)."""
     n, k = qw.shape
     m = x.shape[0]
-    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles)
+    block_m, block_n, block_k, num_warps, num_stages = tiles_for(qw.format, m, tiles, x.device, options)
     assert block_k % 32 == 0 and k % 32 == 0
     grid, per, split = launch_plan(m, n, k, x.device, (block_m, block_n, block_k), split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -113,7 +121,7 @@ def gemm_gguf(x, up, qw, bias=None, tiles=None, split=None):
         x, u, w.view(torch.uint8), w.view(torch.int16), bias if bias is not None else y, y, ws, cnt, m, n, k,
         x.stride(0), u.stride(0), y.stride(0), w.stride(0), per,
         SWIGLU=up is not None, FMT=CODES[qw.format], BYTES=GGUF_BYTES[qw.format], HAS_BIAS=bias is not None,
-        UPCAST=UPCAST_ALWAYS or x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=INTERPRET or x.dtype == torch.float32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return y

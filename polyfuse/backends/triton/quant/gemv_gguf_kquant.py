@@ -13,7 +13,7 @@ runs of consecutive bytes, summing q x over each run and applying the run's scal
   bits 2 (c // 32) and 2 (c // 32) + 4 of qh byte 32 h + c % 32; a run of 16 shares one int8 scale.
 
 SWIGLU folds silu(gate) * up into the activation loads; SPLIT > 1 splits the super-blocks over programs whose
-partial sums the last one adds (_qgemv.store_out).
+partial sums the last one adds (gemv_common.store_out).
 """
 
 import torch
@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import load_x, split_buffers, split_plan, store_out, tiles_for
+from polyfuse.backends.triton.quant.gemv_common import gemv_tiles, load_x, split_buffers, split_plan, store_out
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -131,10 +132,10 @@ def _gemv_kquant_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(tl.sum(acc, axis=2), axis=1), HAS_BIAS, SPLIT)
 
 
-def gemv_kquant(x, up, qw, bias=None, tiles=None, split=None):
+def gemv_gguf_kquant(x, up, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format, n, k)
+    block_n, block_k, num_warps, num_stages = tiles or gemv_tiles(x.device, options).tile(qw.format, n, k)
     block_b = max(1, block_k // GGUF_SUPER)
     assert block_b & (block_b - 1) == 0, "block_k / 256 super-blocks per step: a power of 2"
     w = qw.qweight
@@ -151,6 +152,7 @@ def gemv_kquant(x, up, qw, bias=None, tiles=None, split=None):
         x, up if up is not None else x, w, w.view(torch.int8), w.view(torch.int16), bias if bias is not None else y,
         y, ws, cnt, n, nb, w.stride(0), per,
         SWIGLU=up is not None, Q5=qw.format == "gguf_q5_k", Q6=qw.format == "gguf_q6_k", BYTES=nbytes, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages, **pdl_options(x.device),
+        BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return y

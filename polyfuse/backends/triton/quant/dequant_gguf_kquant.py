@@ -2,7 +2,7 @@
 through dequant_mm.py: this kernel, then ``F.linear``).
 
 Each program takes BLOCK_N rows of BLOCK_B super-blocks (256 weights each): the quant bytes as runs of consecutive
-bytes, the scales once per run (Q4_K's 6-bit pairs decoded as in gemv_kquant.py, Q6_K's int8s), then each weight as the reference
+bytes, the scales once per run (Q4_K's 6-bit pairs decoded as in gemv_gguf_kquant.py, Q6_K's int8s), then each weight as the reference
 (quant_formats ``dequantize``) computes it: (d * sc) * q, minus dmin * m for Q4_K / Q5_K, in float32, rounded once to the
 output dtype. The products are exact in float32 (an fp16 times 6 / 8 bit integers, then times a 4 / 5 / 6 bit one) except
 Q6_K's last, which rounds once in both, so the values are the reference's bit for bit.
@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._rounding import cast_rne
-from polyfuse.backends.triton.gemv_kquant import q4_k_scale_min, q6_k_quants, q45_k_quants
+from polyfuse.backends.triton.quant.gemv_gguf_kquant import q4_k_scale_min, q6_k_quants, q45_k_quants
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -26,7 +26,7 @@ def _dequant_kquant_kernel(
     W, W8, W16, WD, N, NB, row_bytes, sd,
     Q5: tl.constexpr, Q6: tl.constexpr, BYTES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
-    """Tiles [BLOCK_N rows, G runs, L bytes] as gemv_kquant.py's: each quant byte gives two weights, stored as runs
+    """Tiles [BLOCK_N rows, G runs, L bytes] as gemv_gguf_kquant.py's: each quant byte gives two weights, stored as runs
     of L consecutive outputs."""
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     if Q6:

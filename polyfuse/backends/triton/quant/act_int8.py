@@ -1,7 +1,7 @@
 """One row of activations quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py has the arithmetic), in the
-layout the W4A8 GEMV reads. For AutoGPTQ's int4 (gemv_gptq_a8.py), for word row r (values 8r .. 8r + 7) XW[2r] holds
+layout the W4A8 GEMV reads. For AutoGPTQ's int4 (gemv_int4_a8.py), for word row r (values 8r .. 8r + 7) XW[2r] holds
 the bytes of values 8r, 8r + 2, 8r + 4, 8r + 6 and XW[2r + 1] those of 8r + 1, .. 8r + 7 (low byte first: the even and
-the odd nibbles of an int4 word, lined up for two integer dot products); for the GGUF K-quants (gemv_kquant_a8.py,
+the odd nibbles of an int4 word, lined up for two integer dot products); for the GGUF K-quants (gemv_gguf_kquant_a8.py,
 ``natural``) XW[i] holds values 4i .. 4i + 3 in order, as their quant bytes hold consecutive weights. For block b (values 32b .. 32b + 31) DX[b] holds the scale d and
 RS[b] = d * sum q (the block's dequantized sum, for the weights' zero points).
 
@@ -17,6 +17,7 @@ import triton.language as tl
 from polyfuse.backends.triton._pdl import launch_then_wait, pdl_options
 from polyfuse.backends.triton._rounding import PTX, cast_rne
 from polyfuse.backends.triton.rms_norm import _launch_params
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.act_int8 import BLOCK as QBLOCK
 from polyfuse.ops.act_int8 import TINY
 
@@ -143,7 +144,7 @@ def _outputs(k: int, device, m: int = 1):
     return xw, dx, torch.empty_like(dx)
 
 
-def quantize_rows(x: torch.Tensor, up=None, natural: bool = False):
+def quantize_rows(x: torch.Tensor, up=None, natural: bool = False, options=DEFAULT):
     """x [M, K] (unit column stride; the gate with ``up`` of its shape and dtype for SwiGLU) -> (xw int32 [M, K / 4],
     dx, rs float32 [M, K / 32]); ``natural``: the GGUF GEMVs' word order."""
     if x.dim() != 2 or x.stride(-1) != 1 or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
@@ -156,22 +157,22 @@ def quantize_rows(x: torch.Tensor, up=None, natural: bool = False):
     u = up if up is not None else x
     _quantize_kernel[(triton.cdiv(k, block), m)](
         x, u, xw, dx, rs, k, x.stride(0), u.stride(0), SWIGLU=up is not None, BLOCK=block, ASM=PTX,
-        NATURAL=natural, num_warps=4, **pdl_options(x.device),
+        NATURAL=natural, num_warps=4, **pdl_options(x.device, options),
     )  # fmt: skip
     return xw, dx, rs
 
 
-def quantize_row(x: torch.Tensor, up=None, natural: bool = False):
+def quantize_row(x: torch.Tensor, up=None, natural: bool = False, options=DEFAULT):
     """x [K] or [1, K] (dense; the gate with ``up`` of its dtype for SwiGLU) -> (xw int32 [K / 4], dx, rs float32
     [K / 32]); ``natural``: the K-quant GEMV's word order."""
     k = x.shape[-1]
     if x.numel() != k or (up is not None and (up.shape != x.shape or up.dtype != x.dtype)):
         raise ValueError("quantize_row: one row (and up of its shape and dtype)")
-    xw, dx, rs = quantize_rows(x.reshape(1, k), None if up is None else up.reshape(1, k), natural)
+    xw, dx, rs = quantize_rows(x.reshape(1, k), None if up is None else up.reshape(1, k), natural, options)
     return xw.view(-1), dx.view(-1), rs.view(-1)
 
 
-def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural: bool = False):
+def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, natural=False, options=DEFAULT):
     """add + RMSNorm of one dense row x [H] (residual: [H] or None; weight of x's dtype), quantized ->
     (xw, dx, rs, x + residual in x's dtype, or x itself without a residual); ``natural`` as quantize_row's."""
     h = x.shape[-1]
@@ -183,6 +184,6 @@ def norm_quantize_row(x: torch.Tensor, residual, weight: torch.Tensor, eps: floa
     _norm_quantize_kernel[(1,)](
         x, residual if residual is not None else x, r, weight, xw, dx, rs, h, float(eps),
         HAS_RES=residual is not None, BLOCK=block, ASM=PTX, NATURAL=natural, num_warps=num_warps,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return xw, dx, rs, r

@@ -6,7 +6,7 @@ Half-word h of the quants holds, for Q8_0, weights 2h and 2h + 1 (one signed byt
 holds weight j (low nibble) and j + 16 (high), so the half-word's four nibbles are weights 2h, 2h + 16, 2h + 1,
 2h + 17. Per block: Q8_0 d * sum(q x); Q4_0 d * (sum(q x) - 8 sum(x)); Q4_1 d * sum(q x) + m * sum(x).
 Each program owns BLOCK_N rows and walks K in BLOCK_B blocks; SWIGLU folds silu(gate) * up into the activation
-loads; SPLIT > 1 splits the blocks over programs whose partial sums the last one adds (_qgemv.store_out).
+loads; SPLIT > 1 splits the blocks over programs whose partial sums the last one adds (gemv_common.store_out).
 """
 
 import torch
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import TILES, load_x, split_buffers, split_plan, store_out
+from polyfuse.backends.triton.quant.gemv_common import gemv_tiles, load_x, split_buffers, split_plan, store_out
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import GGUF_BYTES
 
 
@@ -72,11 +73,11 @@ def _gemv_gguf_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(acc, axis=1), HAS_BIAS, SPLIT)
 
 
-def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
+def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
     fmt_code, block_hw, qs0, nq = LAYOUT[qw.format]
-    block_n, block_k, num_warps, num_stages = tiles or TILES[qw.format]
+    block_n, block_k, num_warps, num_stages = tiles or gemv_tiles(x.device, options).formats[qw.format]
     block_b = max(1, block_k // 32)
     w = qw.qweight
     if w.stride(-1) != 1 or (w.stride(0) * w.element_size()) % 2:
@@ -92,6 +93,6 @@ def gemv_gguf(x, up, qw, bias=None, tiles=None, split=None):
         x, up if up is not None else x, w16, bias if bias is not None else y, y, ws, cnt, n, nb, w16.stride(0), per,
         SWIGLU=up is not None, FMT=fmt_code, BLOCK_HW=block_hw, QS0=qs0, NQ=nq, HAS_BIAS=bias is not None,
         SPLIT=split, BLOCK_N=block_n, BLOCK_B=block_b, num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return y

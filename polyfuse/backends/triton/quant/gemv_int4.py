@@ -14,7 +14,7 @@ s (sum q x - z sum x) = 8 s t - (16 + z) s sum x: the tile's t is scaled by its 
 taken once per group and column after the loop, from the group's activation sum over the program's K range. The
 K loop is software-pipelined (``tl.range(num_stages=STAGES)``; Triton does not pipeline a plain loop whose loads
 feed no tl.dot). Act-order checkpoints (ACT_ORDER: any g_idx) gather scale and zero per weight. SWIGLU folds silu(gate) * up into the activation load; SPLIT > 1 splits K over
-programs whose partial sums the last one adds (_qgemv.store_out).
+programs whose partial sums the last one adds (gemv_common.store_out).
 """
 
 import functools
@@ -23,22 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from polyfuse.backends.triton import _qgemv
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
+    gemv_tiles,
     int4_group_term,
     int4_tail_unroll,
     load_x,
-    prefetch_tiles,
-    programs_per_sm,
     split_buffers,
     split_plan,
     store_out,
-    tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -180,10 +178,10 @@ def _gemv_gptq_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
-def _plan(shape, group_size: int, act_order: bool, tiles=None):
+def _plan(table, shape, group_size: int, act_order: bool, tiles=None):
     """(block_n, block_k8, num_warps, num_stages, act_order) of a launch on an [N, K] int4 weight."""
     n, k = shape
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for("int4", n, k)
+    block_n, block_k, num_warps, num_stages = tiles or table.tile("int4", n, k)
     block_k8 = 1 << (max(1, block_k // 8).bit_length() - 1)
     if group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size
         while block_k8 > 1 and group_size % (8 * block_k8):
@@ -192,46 +190,49 @@ def _plan(shape, group_size: int, act_order: bool, tiles=None):
     return block_n, block_k8, num_warps, num_stages, act_order
 
 
-def _early_tiles(dense: bool, block_n, block_k8, num_warps, act_order) -> int:
+def _early_tiles(table, dense: bool, block_n, block_k8, num_warps, act_order) -> int:
     """Weight tiles each program loads before its PDL wait: none with act-order or for a weight the launcher first
-    copies into dense rows (a copy made just now), else prefetch_tiles' count."""
+    copies into dense rows (a copy made just now), else the table's prefetch count."""
     if act_order or not dense:
         return 0
-    return prefetch_tiles("int4", block_k8 * block_n / (32 * num_warps))
+    return table.prefetch("int4", block_k8 * block_n / (32 * num_warps))
 
 
 @functools.lru_cache(maxsize=None)
-def _loads_early(shape, group_size: int, act_order: bool, dense: bool, prefetch: bool) -> bool:
-    block_n, block_k8, num_warps, _, act_order = _plan(shape, group_size, act_order)
-    return _early_tiles(dense, block_n, block_k8, num_warps, act_order) > 0
+def _loads_early(table, shape, group_size: int, act_order: bool, dense: bool) -> bool:
+    block_n, block_k8, num_warps, _, act_order = _plan(table, shape, group_size, act_order)
+    return _early_tiles(table, dense, block_n, block_k8, num_warps, act_order) > 0
 
 
-def loads_early(qw) -> bool:
+def loads_early(qw, options=DEFAULT) -> bool:
     """Whether a one-row launch on ``qw`` loads weights before its PDL wait (what the norm / SwiGLU pairs are for);
-    asked on every decode call of those ops, so answered once per weight shape and layout (``prefetch``, the
-    switch prefetch_tiles reads, keys it too)."""
+    asked on every decode call of those ops, so answered once per weight shape, layout and tile table."""
     dense = dense_rows(qw.qweight) is qw.qweight
-    return _loads_early(tuple(qw.shape), qw.group_size, bool(qw.act_order), dense, _qgemv.PREFETCH)
+    table = gemv_tiles(qw.qweight.device, options)
+    return _loads_early(table, tuple(qw.shape), qw.group_size, bool(qw.act_order), dense)
 
 
-def gemv_gptq(x, up, qw, bias=None, tiles=None, split=None):
+def gemv_int4(x, up, qw, bias=None, tiles=None, split=None, options=DEFAULT):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k8, num_warps, num_stages, act_order = _plan(qw.shape, qw.group_size, bool(qw.act_order), tiles)
+    table = gemv_tiles(x.device, options)
+    block_n, block_k8, num_warps, num_stages, act_order = _plan(
+        table, qw.shape, qw.group_size, bool(qw.act_order), tiles
+    )
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
-    per_sm = programs_per_sm("int4", n, k)
+    per_sm = table.programs_per_sm("int4", n, k)
     split, per = split_plan(grid_n, k8, block_k8, x.device, split, per_sm)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     qweight, qzeros, scales, g_idx = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales, qw.g_idx))
-    pre = _early_tiles(qweight is qw.qweight, block_n, block_k8, num_warps, act_order)
+    pre = _early_tiles(table, qweight is qw.qweight, block_n, block_k8, num_warps, act_order)
     _gemv_gptq_kernel[(grid_n, split)](
         x, up if up is not None else x, qweight, qzeros, scales, g_idx, bias if bias is not None else y,
         y, ws, cnt, n, k8, qw.group_size, qweight.stride(0), qzeros.stride(0), scales.stride(0), per,
         SWIGLU=up is not None, ACT_ORDER=act_order, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, XBLOCK=128, PRE=pre,
         UNROLL=int4_tail_unroll(block_n, num_warps, per_sm), num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return y

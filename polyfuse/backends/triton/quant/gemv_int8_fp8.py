@@ -10,7 +10,7 @@ pipelined by Triton and kept one tile per warp in flight, which left the H200's 
 fp8 converts through the GPU's conversion (or bit arithmetic where it has none: FP8_BITS); int8 without the int ->
 float conversion (a quarter-rate instruction): the byte, offset to unsigned, OR-ed into the mantissa of 2^23 and
 bit-cast, minus 2^23 + 128, is the integer exactly. SWIGLU folds silu(gate) * up into the activation load. SPLIT > 1
-splits K over programs whose partial sums the last one adds (_qgemv.store_out). Inference only.
+splits K over programs whose partial sums the last one adds (gemv_common.store_out). Inference only.
 """
 
 import torch
@@ -18,21 +18,20 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
     e4m3_to_f32,
+    gemv_tiles,
     load_x,
     no_fp8_cvt,
-    prefetch_tiles,
-    programs_per_sm,
     split_buffers,
     split_plan,
     store_out,
     tail_unroll,
-    tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
+from polyfuse.core.kernel_options import DEFAULT
 
 
 @triton.jit
@@ -107,7 +106,7 @@ def _gemv_scaled_kernel(
     kk = tl.arange(0, BLOCK_K)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # PRE (0..2) tiles of weights loaded before the PDL wait, as in gemv_gptq.py: they stream while the kernel
+    # PRE (0..2) tiles of weights loaded before the PDL wait, as in gemv_int4.py: they stream while the kernel
     # before this one still runs, and are summed after it in the loop's order (a tile wholly past the split's end
     # reads no scale: its block may lie past the row's last)
     ka = k_start + kk
@@ -135,10 +134,11 @@ def _gemv_scaled_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, acc, HAS_BIAS, SPLIT, UNROLL)
 
 
-def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
+def gemv_int8_fp8(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None, options=DEFAULT):
     """x [1, K] (the gate with ``up`` for SwiGLU) @ dequantize(qw).T -> [1, N] in x's dtype (+ bias)."""
     n, k = qw.shape
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for(qw.format, n, k)
+    table = gemv_tiles(x.device, options)
+    block_n, block_k, num_warps, num_stages = tiles or table.tile(qw.format, n, k)
     group = 128 if qw.format == "fp8_block" else 0
     if group:
         block_k = min(block_k, group)
@@ -149,18 +149,18 @@ def gemv_scaled(x, up, qw, bias=None, tiles=None, split=None, fp8_bits=None):
     if fp8_bits:
         w = w.view(torch.uint8)
     grid_n = triton.cdiv(n, block_n)
-    split, per = split_plan(grid_n, k, block_k, w.device, split, programs_per_sm(qw.format, n, k))
+    split, per = split_plan(grid_n, k, block_k, w.device, split, table.programs_per_sm(qw.format, n, k))
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     ws, cnt = split_buffers(split, grid_n, n, x.device)
     # 4 weights a register; no early loads of a copy made just now (dense_rows, the fp8 bit view aside)
     early = w.data_ptr() == qw.qweight.data_ptr()
-    pre = prefetch_tiles(qw.format, block_n * block_k / (4 * 32 * num_warps)) if early else 0
+    pre = table.prefetch(qw.format, block_n * block_k / (4 * 32 * num_warps)) if early else 0
     _gemv_scaled_kernel[(grid_n, split)](
         x, up if up is not None else x, w, scales, bias if bias is not None else y, y, ws, cnt, n, k, w.stride(0),
         scales.stride(0), per,
         SWIGLU=up is not None, GROUP=group, FP8_BITS=bool(fp8_bits), INT8=qw.format == "int8",
         HAS_BIAS=bias is not None, SPLIT=split, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
         ASM=PTX, PRE=pre, UNROLL=tail_unroll(block_n, num_warps), num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(x.device),
+        **pdl_options(x.device, options),
     )  # fmt: skip
     return y

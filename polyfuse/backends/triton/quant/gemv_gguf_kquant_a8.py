@@ -1,9 +1,9 @@
 """GEMV (one row, or 2..8 rows through a first tile axis) on GGUF Q4_K / Q5_K / Q6_K super-blocks times int8 activations, on integer dot products (``dp4a``).
 
-Reached through gemv_gguf_a8.py (the switch ``POLYFUSE_GGUF_A8`` and what it takes), as llama.cpp's CUDA backend
+Reached through gemv_gguf_a8.py (the kernel option ``gguf_a8`` and what it takes), as llama.cpp's CUDA backend
 runs these types on q8_1 activations by default: the row is quantized to int8 in blocks of 32
 (polyfuse/ops/act_int8.py has the arithmetic; act_int8.py here writes it in natural order), and a K-quant sub-block of
-32 weights lines up with one such block. gemv_kquant.py converts every weight to float and multiplies it with a float
+32 weights lines up with one such block. gemv_gguf_kquant.py converts every weight to float and multiplies it with a float
 activation (about 1.1 TB/s of packed bytes on the H200, slower than bf16 cuBLAS); here one 32-bit word of quant bytes
 holds four consecutive weights in its low nibbles (sub-block 2 j) and four in its high ones (2 j + 1, 32 further on):
 two masks, two ``dp4a`` against two activation words. Q5_K ors its fifth bits (bit 2 j and 2 j + 1 of each qh byte,
@@ -13,7 +13,7 @@ below: 6-bit values minus 32, one int8 scale per 16) builds each word of four 6-
 
 Per sub-block: (d sc) d_x sum q q_x - (dmin m) d_x sum q_x, the last factor the block's RS (act_int8.py): the
 integer sums are exact, the rest float32. Each super-block's header is read as four words and its 16 scales and mins
-decoded in registers (gemv_kquant.py loads six scale bytes per run); split-K with the last program adding the partials (_qgemv.store_out).
+decoded in registers (gemv_gguf_kquant.py loads six scale bytes per run); split-K with the last program adding the partials (gemv_common.store_out).
 """
 
 import torch
@@ -21,15 +21,9 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
-    programs_per_sm,
-    row_chunks,
-    row_tiles,
-    split_buffers,
-    split_plan,
-    store_tile,
-)
 from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.gemv_common import gemv_tiles, row_chunks, split_buffers, split_plan, store_tile
+from polyfuse.core.kernel_options import DEFAULT
 from polyfuse.ops.quant_formats import GGUF_BYTES, GGUF_SUPER
 
 
@@ -204,13 +198,14 @@ def _gemv_q6k_a8_kernel(
     store_tile(Y, B, WS, CNT, n, n_mask, N, acc, ROWS, M, HAS_BIAS, SPLIT)
 
 
-def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+def gemv_gguf_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None, options=DEFAULT):
     """(xw, dx, rs) of one row or of M rows in natural order (act_int8.py) @ dequantize(qw).T -> [M, N] in
     ``dtype`` (+ bias); several rows as gemv_gguf_a8.py launches them."""
     xw, dx, rs = xq
     n, k = qw.shape
     rows = xw.numel() // (k // 4)
-    block_n, block_k, num_warps, num_stages = tiles or row_tiles(qw.format + "_a8", n, k, rows)
+    table = gemv_tiles(xw.device, options)
+    block_n, block_k, num_warps, num_stages = tiles or table.row_tile(qw.format + "_a8", n, k, rows)
     block_b = max(1, block_k // GGUF_SUPER)
     assert block_b & (block_b - 1) == 0, "block_k / 256 super-blocks per step: a power of 2"
     q6 = qw.format == "gguf_q6_k"
@@ -231,10 +226,10 @@ def gemv_kquant_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, spl
         kernel, weights = _gemv_kquant_a8_kernel, (xw, dx, rs, w.view(torch.int32))
         stride, consts = w.stride(0) // 4, dict(Q5=qw.format == "gguf_q5_k", WORDS=nbytes // 4)
     consts.update(HAS_BIAS=bias is not None, BLOCK_B=block_b, ASM=PTX, num_warps=num_warps, num_stages=num_stages,
-                  **pdl_options(xw.device))  # fmt: skip
+                  **pdl_options(xw.device, options))  # fmt: skip
     if rows == 1:
         grid_n = triton.cdiv(n, block_n)
-        split, per = split_plan(grid_n, nb, block_b, xw.device, split, programs_per_sm(qw.format + "_a8", n, k))
+        split, per = split_plan(grid_n, nb, block_b, xw.device, split, table.programs_per_sm(qw.format + "_a8", n, k))
         ws, cnt = split_buffers(split, grid_n, n, xw.device)
         kernel[(grid_n, split)](*weights, b, y, ws, cnt, n, nb, stride, per, 1, SPLIT=split, BLOCK_N=block_n, M=1,
                                 **consts)  # fmt: skip

@@ -1,15 +1,15 @@
 """fp8_block weights on the fp8 tensor cores for many rows (prefill): the activations quantized to e4m3 per token and
-128 columns by the per-row quantizing kernel (scaled_mm.py, each 128-column group taken as a row), then
+128 columns by the per-row quantizing kernel (fp8_scaled_mm.py, each 128-column group taken as a row), then
 ``torch._scaled_mm`` with 1 x 128 block scales on both operands (cuBLAS's block scaling for fp8, sm90): the
 DeepSeek-V3 / Qwen3-FP8 recipe, for which their 128 x 128 block checkpoints were made (their block scales load into
 fp8_block's 1 x 128 rows exactly).
 
 W8A8 like fp8's row-wise prefill; the group scales keep an outlier channel from coarsening the whole token. On the
-H200 (run 31, 2048 x 4096 x 6144 / 28672 and 2048 x 14336 x 4096): 104 / 468 / 236 us against row-wise per-channel
+H200 (2048 x 4096 x 6144 / 28672 and 2048 x 14336 x 4096): 104 / 468 / 236 us against row-wise per-channel
 fp8's 79 / 359 / 179 and bf16's 133 / 625 / 310, error 2.2-2.4% of the outputs' rms (row-wise 2.3-2.5%).
 
-Takes bfloat16 rows from two on (one row is the GEMV's, quant_gemv.py): batch decode too, where it beats
-dequantizing the weight per call (H200, run 31: 2..64 rows of 14336 x 4096 in 25-29 us against 83-86 for
+Takes bfloat16 rows from two on (one row is the GEMV's, gemv_q.py): batch decode too, where it beats
+dequantizing the weight per call (H200: 2..64 rows of 14336 x 4096 in 25-29 us against 83-86 for
 dequant_mm, 6144 x 4096 in 13-15 against 37-38); K a multiple of 128 and N of 16; GPUs of compute capability 9.0
 (cuBLAS's block-scaled fp8 is Hopper's; the probe says so elsewhere). The rest goes to dequant_mm.py. Rows are
 padded to a multiple of PAD_ROWS: cuBLAS refused row counts that are not (65, 66, 129, 130, 2047 on the H200; 68, 72,
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from polyfuse.backends.triton._util import rows
-from polyfuse.backends.triton.scaled_mm import quantize_rows
+from polyfuse.backends.triton.quant.fp8_scaled_mm import quantize_rows
 from polyfuse.ops.quant_formats import FP8_BLOCK
 
 

@@ -1,9 +1,9 @@
 """One-row GEMV on int4 weights in AutoGPTQ's layout times int8 activations (W4A8), on integer dot products.
 
-Opt-in (``POLYFUSE_INT4_A8=1``, read at import; a module attribute, so benchmarks can switch it): the activations are
+Opt-in (the kernel option ``int4_a8``, core/kernel_options.py; ``accepts`` reads it per call): the activations are
 quantized to int8 in blocks of 32 (polyfuse/ops/act_int8.py: the arithmetic and what it costs; act_int8.py here: the
 kernels that write them, fused into the norm or SwiGLU before the projection), as llama.cpp's GPU kernels do for its
-4-bit types. The one-row int4 GEMV with bf16 activations (gemv_gptq.py) spends about four instructions per weight (a
+4-bit types. The one-row int4 GEMV with bf16 activations (gemv_int4.py) spends about four instructions per weight (a
 byte permute and an FMA, the activation loads); here a block of 32 weights (four words) costs eight masks and eight
 ``dp4a`` (each word's even nibbles, masked in place, against the bytes of x_0, x_2, x_4, x_6; its odd ones, masked
 in place as 16 q, against x_1, .., x_7; two int32 chains over the block), one multiply-add joining the chains, then
@@ -13,8 +13,8 @@ instructions per weight (the compiled sm_90 loop, with the pipeline's copies and
 A group's s (sum q x' - z sum x') with x' = q_x d: the tile's [BLOCK_K8 / 4, BLOCK_N] float32 accumulator takes
 s d (sum q q_x) per block and column; the zero term once per group and column after the loop, from the blocks'
 d sum q_x (RS). Tiles hold whole blocks and lie in one group (8 BLOCK_K8 divides the group size); act-order
-checkpoints are declined (gemv_gptq.py takes them). Split-K, the early weight tiles and the PDL wait as in
-gemv_gptq.py.
+checkpoints are declined (gemv_int4.py takes them). Split-K, the early weight tiles and the PDL wait as in
+gemv_int4.py.
 """
 
 import torch
@@ -22,24 +22,20 @@ import triton
 import triton.language as tl
 
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
-from polyfuse.backends.triton._qgemv import (
+from polyfuse.backends.triton._rounding import PTX
+from polyfuse.backends.triton.quant.act_int8 import takes_row
+from polyfuse.backends.triton.quant.gemv_common import (
     dense_rows,
+    gemv_tiles,
     int4_tail_unroll,
     int4_zero_scale,
-    prefetch_tiles,
-    programs_per_sm,
     split_buffers,
     split_plan,
     store_out,
-    tiles_for,
     weight_tile,
 )
-from polyfuse.backends.triton._rounding import PTX
-from polyfuse.backends.triton.act_int8 import takes_row
-from polyfuse.ops.act_int8 import REQUESTED, takes
-
-
-ENABLED = REQUESTED
+from polyfuse.core.kernel_options import DEFAULT
+from polyfuse.ops.act_int8 import takes
 
 
 def _dot32_asm() -> str:
@@ -178,18 +174,18 @@ def _gemv_gptq_a8_kernel(
     store_out(Y, B, WS, CNT, n, n_mask, N, tl.sum(acc2, axis=0) - corr, HAS_BIAS, SPLIT, UNROLL)
 
 
-def accepts(x: torch.Tensor, qw, up=None) -> bool:
-    """Whether the W4A8 path takes a call: switched on, one row (``up``, SwiGLU's, of x's shape and dtype), a weight
+def accepts(x: torch.Tensor, qw, up=None, options=DEFAULT) -> bool:
+    """Whether the W4A8 path takes a call: the run's ``int4_a8`` option on, one row (``up``, SwiGLU's, of x's shape and dtype), a weight
     it has a kernel for (ops/act_int8.py ``takes``: int4 in group order, K and the groups multiples of 32), a float
     activation dtype, inline PTX available (NVIDIA, sm61+ for dp4a) or the CPU interpreter."""
-    return ENABLED and takes(qw) and takes_row(x, qw.shape[1], up)
+    return options.int4_a8 and takes(qw) and takes_row(x, qw.shape[1], up)
 
 
-def _plan(shape, group_size: int, tiles=None):
+def _plan(table, shape, group_size: int, tiles=None):
     """(block_n, block_k8, num_warps, num_stages) of a launch on an [N, K] int4 weight: block_k8 a power of two of
     at least 4 words (whole blocks of 32), inside one group."""
     n, k = shape
-    block_n, block_k, num_warps, num_stages = tiles or tiles_for("int4_a8", n, k)
+    block_n, block_k, num_warps, num_stages = tiles or table.tile("int4_a8", n, k)
     block_k8 = max(4, 1 << (max(1, block_k // 8).bit_length() - 1))
     if group_size < k:  # a tile must lie inside one group: 8 * block_k8 divides the group size
         while block_k8 > 4 and group_size % (8 * block_k8):
@@ -197,25 +193,26 @@ def _plan(shape, group_size: int, tiles=None):
     return block_n, block_k8, num_warps, num_stages
 
 
-def gemv_gptq_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None):
+def gemv_int4_a8(xq: tuple, qw, dtype: torch.dtype, bias=None, tiles=None, split=None, options=DEFAULT):
     """(xw, dx, rs) of one row (act_int8.py) @ dequantize(qw).T -> [1, N] in ``dtype`` (+ bias)."""
     xw, dx, rs = xq
     n, k = qw.shape
-    block_n, block_k8, num_warps, num_stages = _plan(qw.shape, qw.group_size, tiles)
+    table = gemv_tiles(xw.device, options)
+    block_n, block_k8, num_warps, num_stages = _plan(table, qw.shape, qw.group_size, tiles)
     k8 = k // 8
     grid_n = triton.cdiv(n, block_n)
-    per_sm = programs_per_sm("int4_a8", n, k)
+    per_sm = table.programs_per_sm("int4_a8", n, k)
     split, per = split_plan(grid_n, k8, block_k8, xw.device, split, per_sm)
     y = torch.empty((1, n), dtype=dtype, device=xw.device)
     ws, cnt = split_buffers(split, grid_n, n, xw.device)
     qweight, qzeros, scales = (dense_rows(t) for t in (qw.qweight, qw.qzeros, qw.scales))
-    pre = prefetch_tiles("int4", block_k8 * block_n / (32 * num_warps)) if qweight is qw.qweight else 0
+    pre = table.prefetch("int4", block_k8 * block_n / (32 * num_warps)) if qweight is qw.qweight else 0
     _gemv_gptq_a8_kernel[(grid_n, split)](
         xw, dx, rs, qweight, qzeros, scales, bias if bias is not None else y, y, ws, cnt, n, k8, qw.group_size,
         qzeros.stride(0), scales.stride(0), per, SQ_K=qweight.stride(0),
         EVEN=n % block_n == 0 and k8 % block_k8 == 0, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K8=block_k8, STAGES=num_stages, ASM=PTX, RBLOCK=16, PRE=pre,
         UNROLL=int4_tail_unroll(block_n, num_warps, per_sm), num_warps=num_warps, num_stages=num_stages,
-        **pdl_options(xw.device),
+        **pdl_options(xw.device, options),
     )  # fmt: skip
     return y
