@@ -462,7 +462,7 @@ def test_spawn_launcher_one_error_line(one_head_model):
 
 def test_shutdown_does_not_wait_forever_on_a_hung_destroy(monkeypatch, capsys):
     """On 2 x H200, after transformers' tp_plan peer, destroy_process_group never returned and the rank hung at
-    exit. shutdown() gives it DESTROY_TIMEOUT_S, says so in one warning line and returns (the caller then exits)."""
+    exit. shutdown() gives it POLYFUSE_DESTROY_TIMEOUT_S, says so in one warning line and returns (the caller then exits)."""
     import threading
 
     import torch.distributed as dist
@@ -473,7 +473,7 @@ def test_shutdown_does_not_wait_forever_on_a_hung_destroy(monkeypatch, capsys):
     real, release = dist.destroy_process_group, threading.Event()
     try:
         monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: release.wait(60))
-        monkeypatch.setattr(context, "DESTROY_TIMEOUT_S", 0.3)
+        monkeypatch.setenv("POLYFUSE_DESTROY_TIMEOUT_S", "0.3")
         t0 = time.perf_counter()
         context.shutdown()
         assert time.perf_counter() - t0 < 10

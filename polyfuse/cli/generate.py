@@ -33,6 +33,7 @@ from polyfuse.cli.inputs import (
 from polyfuse.cli.kernel_options import kernel_flags
 from polyfuse.cli.progress import counter, token_bar
 from polyfuse.cli.stats import compile_note, print_report, summarize
+from polyfuse.core import settings
 from polyfuse.distributed.context import world_size_from_env
 from polyfuse.distributed.launch import distributed_entry
 
@@ -449,7 +450,7 @@ def op_overrides(args) -> str:
     """The op overrides in force, as the Stats and results.json name them: --ops, then POLYFUSE_OPS."""
     from polyfuse.core.registry import ENV_OVERRIDES
 
-    given = [(args.ops, "--ops"), (os.environ.get(ENV_OVERRIDES, ""), ENV_OVERRIDES)]
+    given = [(args.ops, "--ops"), (settings.get(ENV_OVERRIDES), ENV_OVERRIDES)]
     return "; ".join(f"{text} ({where})" for text, where in given if text)
 
 
@@ -652,7 +653,7 @@ def run(args) -> dict:
     result = collect(args, runs, used, device, flags)
     print_report(result, args)
     written = None
-    if args.output_dir and int(os.environ.get("RANK", "0")) == 0:  # under torchrun rank 0 writes for every rank
+    if args.output_dir and (settings.get("RANK") or 0) == 0:  # under torchrun rank 0 writes for every rank
         written = output.write_results(args.output_dir, result)
         print(f"Results written to {written}")
     if runs.interrupted:

@@ -99,13 +99,17 @@ def _claim(tmp: str, target: str) -> bool:
 
 
 def versions() -> dict:
+    from importlib import metadata
+
     import torch
     import transformers
 
-    import polyfuse
-
+    try:
+        ours = metadata.version("polyfuse")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+        ours = "source"
     return {
-        "polyfuse": polyfuse.__version__,
+        "polyfuse": ours,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
