@@ -105,6 +105,19 @@ def implementations() -> list[Implementation]:
             accepts=True,
             quiet=True,
         ),
+        # Serving (polyfuse/serving): one query per sequence over the paged cache through its block table; prefill
+        # chunks are declined to the next choice.
+        _impl(
+            "paged_attention",
+            "triton_paged_decode",
+            "paged_attention",
+            "paged_decode_attention",
+            probe_inference,
+            PRIORITY + 10,
+            backward=False,
+            accepts=True,
+            quiet=True,
+        ),
     ]
 
 
