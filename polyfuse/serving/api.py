@@ -156,7 +156,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
     if req.stream:
         return StreamingResponse(_stream(state, request, req, out, handles, view), media_type="text/event-stream")
     try:
-        while not all(h.done for h in handles):
+        while not view.complete:
             handle, item = await _next(out, request)
             if isinstance(item, Exception):
                 raise _engine_error(item)
@@ -170,7 +170,7 @@ async def _generate(state: ServerState, request: Request, chat: bool):
 
 async def _stream(state, request, req: GenerationRequest, out, handles, view):
     try:
-        while not all(h.done for h in handles):
+        while not view.complete:
             handle, item = await _next(out, request)
             if isinstance(item, Exception):
                 yield _sse(_engine_error(item).body())
@@ -206,6 +206,11 @@ class Choices:
         self.prompt_tokens: dict = {}
         self.cached_tokens: dict = {}
         self.started: set = set()
+
+    @property
+    def complete(self) -> bool:
+        """Every choice's last delta is in (the handles' own counts run ahead, in the engine thread)."""
+        return len(self.finish) == len(self.req.prompts) * self.n
 
     def _index(self, handle, d) -> int:
         return handle.tag * self.n + d.index
