@@ -307,6 +307,7 @@ def _module_strings(layer: str, prefix: str) -> list:
         ("checkpoint", None, ("models", "backends", "loader", "quant", "generation")),
         ("quant", None, ("models", "backends", "loader", "generation")),
         ("loader", None, ("models", "backends", "generation")),
+        ("serving", None, ("backends",)),
     ],
 )
 def test_layering(layer, allowed, forbidden):

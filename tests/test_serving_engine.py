@@ -241,3 +241,27 @@ def test_logprobs_are_the_log_softmax(model):
     assert token == int(lp.argmax()) and abs(own - float(lp.max())) < 1e-4
     assert [a for a, _ in alts] == lp.topk(3).indices.tolist()
     assert all(abs(b - float(lp[a])) < 1e-4 for a, b in alts)
+
+
+def test_cuda_graph_buckets_captured_once_at_warmup(model, reference, monkeypatch):
+    """The runner's CUDA-graph path on the CPU: torch.cuda's graph API faked (tests/helpers.py), the decode step
+    wrapped by the real GraphedStep. warmup() captures one graph per batch bucket; serving then only replays them
+    (the batch copied into the graphs' static buffers) and the tokens stay the same."""
+    from helpers import Recorded, fake_cuda_graphs
+
+    from polyfuse.backends.cuda.graphs import GraphedStep
+
+    fake_cuda_graphs(monkeypatch)
+    eng = engine(model, block_size=4, seqs=6, budget=64, mode="graphs")
+    step = GraphedStep(Recorded(eng.runner.module, inplace=False))
+    eng.runner.decode_step = step
+    eng.runner.warmup()
+    assert len(step.graphs) == len(eng.runner.buckets) == len([1, 2, 4, 6])
+    replays = []
+    for entry in step.graphs.values():
+        graph = entry[2]
+        real = graph.replay
+        graph.replay = lambda real=real: replays.append(1) or real()
+    out = run(eng, PROMPTS, GREEDY)
+    assert [out[(str(i), 0)]["tokens"] for i in range(len(PROMPTS))] == reference
+    assert len(step.graphs) == 4 and len(replays) >= NEW - 1  # no capture after the warm-up
