@@ -588,6 +588,7 @@ def _cases_paged_attention(device, dtype, big):
             ([(200, 1)], 2, 2, 16, 8, None),  # splits on the interpreter's 2 "multiprocessors"
             ([(50, 1), (9, 1)], 4, 2, 16, 4, 8),  # sliding window
             ([(0, 6), (8, 3), (5, 1)], 4, 2, 16, 4, None),  # prefill chunks: one fresh, one after a prefix
+            ([(0, 70), (100, 5), (3, 1)], 4, 2, 16, 16, 20),  # two query tiles, a window, a long cached prefix
         ]
     )
     out = []

@@ -265,3 +265,22 @@ def test_cuda_graph_buckets_captured_once_at_warmup(model, reference, monkeypatc
     out = run(eng, PROMPTS, GREEDY)
     assert [out[(str(i), 0)]["tokens"] for i in range(len(PROMPTS))] == reference
     assert len(step.graphs) == 4 and len(replays) >= NEW - 1  # no capture after the warm-up
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("flags", [{}, {"use_cuda_graphs": True}], ids=["eager", "cuda-graphs"])
+def test_gpu_serving_greedy_equals_generate(flags):
+    """On an NVIDIA GPU: the Triton paged kernels (decode and prefill chunks) and, with --use_cuda_graphs, the
+    graphed decode buckets give generate()'s greedy tokens (float32, each prompt alone) for concurrent requests."""
+    cfg = tiny_config(num_key_value_heads=2, max_position_embeddings=512, hidden_size=256, intermediate_size=512)
+    model = AutoModelForCausalLM.from_config(cfg, seed=3, device="cuda", flags=flags).eval()
+    chain = [i.name for i in model.kernels.choices["paged_attention"].chain]
+    assert chain[:2] == ["triton_paged_decode", "triton_paged_prefill"]
+    prompts = [[10 + (i * 7 + j * 3) % 280 for j in range(4 + 37 * i)] for i in range(8)]
+    want = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, ignore_eos=True)[0, len(p):].tolist()
+            for p in prompts]  # fmt: skip
+    eng = Engine(model, CharTokenizer(), EngineConfig(512, 400, 16, 8, 96))  # chunked: 96 tokens a step
+    eng.runner.warmup()
+    out = run(eng, prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert [out[(str(i), 0)]["tokens"] for i in range(8)] == want
+    assert eng.runner.mode == ("graphs" if flags else "exact")

@@ -18,6 +18,8 @@ A decode step and a chunked prefill are the same op: the prefill's queries sit a
 (cached prefix blocks, earlier chunks, then the chunk itself, causally). Every index is built on the host by the
 engine, so shapes are static per batch (Gaudi's buckets, CUDA graphs) and nothing here syncs. The native reference
 gathers each sequence's blocks into [S, W * block_size] keys and runs the eager attention (fp32 softmax) on them.
+Its fused implementations run by default (no run flag gates them: serving has no eager attention to compare with;
+``--ops -paged_attention`` forces the reference).
 """
 
 from __future__ import annotations
@@ -90,7 +92,6 @@ SPEC = declare(
         "paged_attention",
         "paged_attention(q[T,Hq,D], k_cache[N,block,Hkv,D], v_cache[N,block,Hkv,D], meta: PagedMeta) -> out[T,Hq,D]",
         paged_attention_native,
-        enable_flag="use_flash_attention",
         training=False,
     )
 )

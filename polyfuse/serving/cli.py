@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("quant_lm_head", group=g, action="store_true", help="quantize the LM head too")
     a("ops", group=g, default="", help="per-op overrides, e.g. '-paged_attention' (as run_generation.py --ops)")
     a("use_flash_attention", group=g, action="store_true",
-      help="fused attention: the Triton paged decode kernel on NVIDIA, FusedSDPA over the gathered blocks on "
-      "Gaudi; otherwise the native gather + eager attention")  # fmt: skip
+      help="accepted as run_generation.py takes it; the paged attention kernels (Triton on NVIDIA, FusedSDPA over "
+      "the gathered blocks on Gaudi) run without it, --ops -paged_attention runs the native gather instead")  # fmt: skip
     a(
         "use_cuda_graphs",
         group=g,

@@ -106,7 +106,7 @@ def implementations() -> list[Implementation]:
             quiet=True,
         ),
         # Serving (polyfuse/serving): one query per sequence over the paged cache through its block table; prefill
-        # chunks are declined to the next choice.
+        # chunks are declined to the next choice, the paged flash-attention prefill kernel.
         _impl(
             "paged_attention",
             "triton_paged_decode",
@@ -118,6 +118,12 @@ def implementations() -> list[Implementation]:
             accepts=True,
             quiet=True,
         ),
+        Implementation(
+            "paged_attention", "triton_paged_prefill", BACKEND, DEVICES,
+            lazy_function("polyfuse.backends.triton.paged_attention", "paged_prefill_attention"), PRIORITY,
+            probe_inference, supports_backward=False, platforms=PLATFORMS,
+            accepts=lazy_function("polyfuse.backends.triton.paged_attention", "accepts_prefill"),
+        ),  # fmt: skip
     ]
 
 
