@@ -231,10 +231,15 @@ def run_polyfuse(args, model, reqs: list) -> dict:
     return row
 
 
-async def _polyfuse_clients(args, reqs, url, aengine):
-    import httpx
+def _http_clients(url: str, reqs: list, concurrency: int, conn) -> None:
+    """The HTTP clients, in a process of their own (as vLLM's benchmark is a separate client): their JSON parsing
+    does not compete with the server for its interpreter lock. Sends (results, seconds) back through ``conn``."""
+    conn.send(asyncio.run(_over_http(url, reqs, concurrency)))
+    conn.close()
 
-    from polyfuse.serving.request import SamplingParams
+
+async def _over_http(url: str, reqs: list, concurrency: int):
+    import httpx
 
     async def over_http(client, req):
         body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
@@ -258,6 +263,14 @@ async def _polyfuse_clients(args, reqs, url, aengine):
         end = time.perf_counter()
         return _result(t0, first, end, tokens)
 
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        return await drive(reqs, lambda r: over_http(client, r), concurrency, "polyfuse")
+
+
+async def _polyfuse_clients(args, reqs, url, aengine):
+    from polyfuse.serving.request import SamplingParams
+
     async def direct(req):
         out: asyncio.Queue = asyncio.Queue()
         t0 = time.perf_counter()
@@ -274,9 +287,17 @@ async def _polyfuse_clients(args, reqs, url, aengine):
 
     if args.api == "engine":
         return await drive(reqs, direct, args.max_concurrency, "polyfuse")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        return await drive(reqs, lambda r: over_http(client, r), args.max_concurrency, "polyfuse")
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    client = ctx.Process(target=_http_clients, args=(url, reqs, args.max_concurrency, there), daemon=True)
+    client.start()
+    while not here.poll():  # the server's event loop keeps running meanwhile
+        await asyncio.sleep(0.05)
+    results = here.recv()
+    client.join(30)
+    return results
 
 
 def _result(t0, first, end, tokens) -> Result:

@@ -205,7 +205,10 @@ class ModelRunner:
         out = []
         for b in batches:
             logits = self._call(b)
-            out.append(logits.index_select(0, torch.tensor(b.keep, dtype=torch.long, device=logits.device)))
+            if b.keep == list(range(len(b.keep))):  # a prefix of the rows (no index upload)
+                out.append(logits[: len(b.keep)])
+            else:
+                out.append(logits.index_select(0, torch.tensor(b.keep, dtype=torch.long, device=logits.device)))
         return torch.cat(out) if len(out) > 1 else out[0]
 
     def _call(self, b: StepBatch) -> torch.Tensor:

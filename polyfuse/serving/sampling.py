@@ -22,6 +22,8 @@ def _draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Te
 def sample(logits: torch.Tensor, seqs: list, generator: Optional[torch.Generator] = None):
     """(token ids [list of int], logprobs [list of None or (logprob, [(id, logprob), ...])]) for ``seqs``, whose
     logits are the rows of ``logits`` [len(seqs), vocab]."""
+    if all(s.params.greedy and s.params.logprobs is None for s in seqs):  # the common case: one argmax, one sync
+        return logits.argmax(-1).tolist(), [None] * len(seqs)
     logits = logits.float()
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]

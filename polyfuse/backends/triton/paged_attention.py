@@ -161,8 +161,12 @@ def _paged_prefill_kernel(
         block = tl.load(TABLES + s * st_s + keys // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         offset = keys % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + block[:, None] * sk_n + offset[:, None] * sk_b + g * sk_h + dd[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + block[:, None] * sv_n + offset[:, None] * sv_b + g * sv_h + dd[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            K + block[:, None] * sk_n + offset[:, None] * sk_b + g * sk_h + dd[None, :], mask=kv_mask, other=0.0
+        )
+        v = tl.load(
+            V + block[:, None] * sv_n + offset[:, None] * sv_b + g * sv_h + dd[None, :], mask=kv_mask, other=0.0
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

@@ -119,9 +119,15 @@ def implementations() -> list[Implementation]:
             quiet=True,
         ),
         Implementation(
-            "paged_attention", "triton_paged_prefill", BACKEND, DEVICES,
-            lazy_function("polyfuse.backends.triton.paged_attention", "paged_prefill_attention"), PRIORITY,
-            probe_inference, supports_backward=False, platforms=PLATFORMS,
+            "paged_attention",
+            "triton_paged_prefill",
+            BACKEND,
+            DEVICES,
+            lazy_function("polyfuse.backends.triton.paged_attention", "paged_prefill_attention"),
+            PRIORITY,
+            probe_inference,
+            supports_backward=False,
+            platforms=PLATFORMS,
             accepts=lazy_function("polyfuse.backends.triton.paged_attention", "accepts_prefill"),
         ),  # fmt: skip
     ]
