@@ -139,7 +139,7 @@ class Engine:
         if plan.empty:
             return []
         items = [
-            Item(s.seq.tokens[s.start : s.start + s.count], s.start, self.blocks.table(s.seq.seq_id), s.samples)
+            Item(s.seq.token_slice(s.start, s.count), s.start, self.blocks.table(s.seq.seq_id), s.samples)
             for s in plan.prefills + plan.decodes
         ]
         n_p = len(plan.prefills)

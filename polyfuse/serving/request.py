@@ -70,6 +70,13 @@ class Sequence:
     def tokens(self) -> list:
         return self.prompt + self.output
 
+    def token_slice(self, start: int, count: int) -> list:
+        """``tokens[start : start + count]`` without building the whole list (a decode's one token)."""
+        n = len(self.prompt)
+        if start >= n:
+            return self.output[start - n : start - n + count]
+        return (self.prompt + self.output)[start : start + count]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)

@@ -120,12 +120,12 @@ class ModelRunner:
         return round_up(need, max(1, self.bucket_size // self.block_size)) if self.mode == "buckets" else need
 
     def _tables(self, items: list, n_seqs: int, width: int):
-        bt = torch.zeros(n_seqs, width, dtype=torch.int32)
-        sl = torch.ones(n_seqs, dtype=torch.int32)  # padded sequences: one key, in the padding block
-        for s, it in enumerate(items):
-            bt[s, : len(it.table)] = torch.tensor(it.table[:width], dtype=torch.int32)
-            sl[s] = it.start + len(it.tokens)
-        return bt, sl
+        """Block tables [n_seqs, width] and sequence lengths [n_seqs] (padded sequences: the padding block, one key),
+        each made by one tensor call."""
+        rows = [it.table[:width] + [0] * (width - min(len(it.table), width)) for it in items]
+        rows += [[0] * width] * (n_seqs - len(items))
+        lens = [it.start + len(it.tokens) for it in items] + [1] * (n_seqs - len(items))
+        return torch.tensor(rows, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
 
     def _batch(self, prefills: list, decodes: list) -> StepBatch:
         bs, grid = self.block_size, self.mode == "buckets"
