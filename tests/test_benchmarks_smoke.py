@@ -249,3 +249,23 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
         ("transformers", 0.0), ("transformers", 0.5), ("transformers", 0.0),
     ]  # fmt: skip
     assert [kw.get("pause", 0.0) for kw in timed] == [0.0, 0.5, 0.0, 0.5, 0.0, 0.5, 0.0]
+
+
+def test_benchmark_serving_tiny(tmp_path):
+    """benchmark_serving.py at the tiny shape: polyfuse over HTTP, transformers' continuous batching and generate()
+    at batch 1 on the same requests; every request completes with exactly its output length in both servers."""
+    out = tmp_path / "serve.jsonl"
+    _run([
+        "benchmarks/benchmark_serving.py", "--shape", "tiny", "--num_prompts", "6", "--request_rate", "50",
+        "--max_concurrency", "4", "--input_len_median", "12", "--output_len_median", "8", "--max_input_len", "40",
+        "--max_output_len", "16", "--peers", "transformers,generate", "--output", str(out),
+    ])  # fmt: skip
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["impl"] for r in rows] == ["polyfuse", "transformers", "generate_batch1"]
+    serve, peer = rows[0], rows[1]
+    for r in (serve, peer):
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_tok_per_s"] > 0
+        assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0
+    assert serve["output_tokens"] == peer["output_tokens"] and serve["input_tokens"] == peer["input_tokens"]
+    assert 0 < serve["kv_fill_at_busiest"] <= 1 and serve["kv_blocks_used_max"] > 0
+    assert rows[2]["tpot_ms_p50"] > 0

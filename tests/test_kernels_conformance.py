@@ -164,7 +164,13 @@ REF_FN = {
     ("swiglu_linear", "triton_recompute"): _swiglu_rounded_linear_f32,
 }
 # Ops whose reference itself is a long reduction in low precision get looser bounds (factor on the tolerances).
-LOOSEN = {"attention": 4.0, "linear_cross_entropy": 2.0, "swiglu_linear": 2.0, "swiglu_linear_q": 2.0}
+LOOSEN = {
+    "attention": 4.0,
+    "paged_attention": 4.0,
+    "linear_cross_entropy": 2.0,
+    "swiglu_linear": 2.0,
+    "swiglu_linear_q": 2.0,
+}
 # float32 ops that sum long rows (K up to 14336) in another order than the library GEMM.
 LOOSEN_FP32 = {
     "linear": 4.0,
@@ -545,6 +551,72 @@ def _cases_rotary_kv_write(device, dtype, big):
     return out
 
 
+def _paged_case(gen, device, dtype, seqs, hq, hkv, d, block_size, extra_blocks=2, window=None):
+    """A paged cache whose blocks are handed out in a shuffled order, and the meta of ``seqs``: [(keys before this
+    step, queries this step)] (one query each: a decode meta; else a prefill chunk per sequence)."""
+    from polyfuse.ops.paged_attention import PagedMeta
+
+    need = [-(-(start + n) // block_size) for start, n in seqs]
+    n_blocks = sum(need) + 1 + extra_blocks
+    order = torch.randperm(n_blocks - 1, generator=gen) + 1  # block 0: the padding block
+    width = max(need) + extra_blocks  # wider than any sequence needs, as a graph's table is
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    taken = 0
+    for s, k in enumerate(need):
+        tables[s, :k] = order[taken : taken + k].to(torch.int32)
+        taken += k
+    kc = _rand(gen, (n_blocks, block_size, hkv, d), dtype, device)
+    vc = _rand(gen, (n_blocks, block_size, hkv, d), dtype, device)
+    lens = torch.tensor([start + n for start, n in seqs], dtype=torch.int32)
+    q_max = max(n for _, n in seqs)
+    qi = torch.zeros(len(seqs), q_max, dtype=torch.long)
+    qp = torch.zeros(len(seqs), q_max, dtype=torch.long)
+    out, row = [], 0
+    for s, (start, n) in enumerate(seqs):
+        qi[s] = row
+        qi[s, :n] = torch.arange(row, row + n)
+        qp[s, :n] = torch.arange(start, start + n)
+        out += [s * q_max + i for i in range(n)]
+        row += n
+    q0 = _rand(gen, (row, hq, d), dtype, device)
+    decode = q_max == 1
+    meta = PagedMeta(tables.to(device), lens.to(device), qi.to(device), qp.to(device),
+                     torch.tensor(out, device=device), d**-0.5, decode=decode, window=window)  # fmt: skip
+    return q0, kc, vc, meta
+
+
+def _cases_paged_attention(device, dtype, big):
+    # (sequences [(keys before, queries)], Hq, Hkv, D, block size, window)
+    shapes = (
+        [
+            ([(i * 37 % 1900 + 1, 1) for i in range(64)], 32, 8, 128, 16, None),
+            ([(4095, 1)], 32, 8, 128, 16, None),  # one long sequence: many splits
+            ([(700, 1), (3, 1), (1500, 1)], 32, 8, 128, 16, 256),
+            ([(0, 300), (512, 77), (33, 1)], 32, 8, 128, 16, None),  # prefill chunks, one after a cached prefix
+        ]
+        if big
+        else [
+            ([(0, 1), (5, 1), (40, 1)], 4, 2, 16, 4, None),  # decode, GQA, tiny blocks
+            ([(130, 1), (7, 1)], 4, 1, 24, 16, None),  # D not a power of two, MQA
+            ([(200, 1)], 2, 2, 16, 8, None),  # splits on the interpreter's 2 "multiprocessors"
+            ([(50, 1), (9, 1)], 4, 2, 16, 4, 8),  # sliding window
+            ([(0, 6), (8, 3), (5, 1)], 4, 2, 16, 4, None),  # prefill chunks: one fresh, one after a prefix
+            ([(0, 70), (100, 5), (3, 1)], 4, 2, 16, 16, 20),  # two query tiles, a window, a long cached prefix
+        ]
+    )
+    out = []
+    for seqs, hq, hkv, d, block_size, window in shapes:
+        gen = torch.Generator().manual_seed(len(seqs) * 31 + hq + d + block_size)
+        q0, kc, vc, meta = _paged_case(gen, device, dtype, seqs, hq, hkv, d, block_size, window=window)
+        kind = "decode" if meta.decode else "prefill"
+
+        def make(q0=q0, kc=kc, vc=vc, meta=meta):
+            return (q0.clone(), kc, vc, meta), {}, []
+
+        out.append((f"{kind}-S{len(seqs)}Hq{hq}Hkv{hkv}D{d}B{block_size}W{window}", make))
+    return out
+
+
 def _cases_all_reduce(device, dtype, big):
     # One process: no group, the sum over one rank is the tensor itself (tests/test_tensor_parallel.py runs 2 ranks).
     gen = torch.Generator().manual_seed(11)
@@ -573,6 +645,7 @@ CASES = {
     "swiglu": _cases_swiglu,
     "linear_cross_entropy": _cases_linear_cross_entropy,
     "attention": _cases_attention,
+    "paged_attention": _cases_paged_attention,
     "linear": _cases_linear,
     "lora_linear": _cases_lora_linear,
     "swiglu_linear": _cases_swiglu_linear,

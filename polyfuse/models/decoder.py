@@ -57,6 +57,10 @@ class Forward:
     # Speculative decoding (EAGLE-3): the residual stream entering these layers, every position, appended in order
     capture: tuple = ()
     captured: Optional[list] = None
+    # A paged step (serving): [(first row, end row, {window: PagedMeta})] per part of the token rows (prefill chunks,
+    # then decodes), and the cache slot each row's keys and values go to; ``cache`` is then the paged cache.
+    paged: Optional[list] = None
+    slot_mapping: Optional[torch.Tensor] = None
 
 
 class RMSNorm(nn.Module):
@@ -197,6 +201,8 @@ class Attention(nn.Module):
     def forward(self, x, f: Forward, qkv=None, last: bool = False):
         """``last``: every position's keys and values go to the cache, but only the last query attends (its output
         [B, 1, H]; a cached step's last layer, whose other rows no logit reads)."""
+        if f.paged is not None:
+            return self.paged(x, f, qkv)
         b, n = (x if qkv is None else qkv).shape[:2]
         q, k, v = (t.transpose(1, 2) for t in self.heads(x, f, qkv))
         meta = f.metas[self.window]
@@ -211,6 +217,23 @@ class Attention(nn.Module):
         out = f.ops.attention(q, k, v, meta)
         out = project(f, self.o_proj, out.transpose(1, 2).reshape(b, n, self.q_size))
         return out if self.group is None else f.ops.all_reduce(out, self.group)  # row-parallel o_proj
+
+    def paged(self, x, f: Forward, qkv=None):
+        """A paged step's attention: the token rows are one sequence [1, T] here; rotary, the new keys and values
+        written at their cache slots (``f.slot_mapping``), then ``paged_attention`` once per part of the rows."""
+        n = (x if qkv is None else qkv).shape[1]
+        q, k, v = self.heads(x, f, qkv)
+        q, k = f.ops.rotary(q.transpose(1, 2), k.transpose(1, 2), f.cos, f.sin)
+        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T, heads, D]
+        kc, vc = f.cache.write(self.layer_idx, k, v[0], f.slot_mapping)
+        if len(f.paged) == 1:
+            out = f.ops.paged_attention(q, kc, vc, f.paged[0][2][self.window])
+        else:
+            out = q.new_empty(q.shape)
+            for start, end, metas in f.paged:
+                out[start:end] = f.ops.paged_attention(q[start:end], kc, vc, metas[self.window])
+        out = project(f, self.o_proj, out.reshape(1, n, self.q_size))
+        return out if self.group is None else f.ops.all_reduce(out, self.group)
 
 
 class MLP(nn.Module):
@@ -478,9 +501,10 @@ class DecoderForCausalLM(nn.Module):
             meta.valid_lengths = key_mask[:, :kv_len].sum(-1, dtype=torch.int32)
         return meta
 
-    def hidden_states(self, input_ids, position_ids, f: Forward, last: int = 0) -> torch.Tensor:
+    def hidden_states(self, input_ids, position_ids, f: Forward, last: int = 0, rows=None) -> torch.Tensor:
         """The final norm's output [B, L, H]; ``last`` > 0: of the last ``last`` positions only [B, last, H] (a cached
-        step needs no more: the final norm then reads those rows per sequence, not the whole prompt)."""
+        step needs no more: the final norm then reads those rows per sequence, not the whole prompt); ``rows`` (an
+        index tensor): of those positions only [B, len(rows), H] (a paged step's rows that give logits)."""
         m = self.model
         f.cos, f.sin = m.rotary_emb(position_ids)
         hook = self.runtime.layer_hook() if (self.runtime is not None and not self.training) else None
@@ -501,6 +525,9 @@ class DecoderForCausalLM(nn.Module):
             pending, residual = layer(pending, residual, f, last=True) if i == final else layer(pending, residual, f)
         if last:
             pending, residual = pending[:, -last:], (residual[:, -last:] if residual is not None else None)
+        elif rows is not None:
+            pending = pending.index_select(1, rows)
+            residual = residual.index_select(1, rows) if residual is not None else None
         return m.norm(pending, f, residual)
 
     def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
@@ -563,6 +590,19 @@ class DecoderForCausalLM(nn.Module):
         if any(not 0 <= i < count for i in layers) or list(layers) != sorted(set(layers)):
             raise ValueError(f"hidden_layers {list(layers)}: increasing indices of this model's {count} layers")
         return layers
+
+    def paged_step(self, cache, input_ids, positions, slot_mapping, parts, logits_rows) -> torch.Tensor:
+        """One serving step over a paged KV cache (polyfuse/serving): ``input_ids``, ``positions``, ``slot_mapping``
+        [T] (the rows of every scheduled sequence, flattened: prefill chunks, then one row per decode), ``parts``
+        [(first row, end row, PagedMeta)] covering the rows in order, ``logits_rows`` [S] the rows whose next-token
+        logits are wanted. Writes each row's keys and values into ``cache`` (``write(layer, k, v, slots)``, returning
+        the layer's block tensors) and returns the logits [S, vocab]."""
+        paged = [(a, b, {w: meta.with_window(w) for w in self.windows}) for a, b, meta in parts]
+        f = Forward(self.kernels, None, None, {}, cache, paged=paged, slot_mapping=slot_mapping)
+        h = self.hidden_states(input_ids[None], positions[None], f, rows=logits_rows)[0]
+        if self.vocab is not None:
+            return self.vocab_parallel_logits(h)
+        return self.head_logits(h)
 
     def last_query_metas(self, batch: int, key_mask, cache_position, kv_len: int) -> dict:
         """The attention metadata of a step's last query alone, by sliding window: a one-query step at the last

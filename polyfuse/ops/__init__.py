@@ -8,6 +8,7 @@ from polyfuse.ops import (
     linear_cross_entropy,
     lora_linear,
     norm_linear_q,
+    paged_attention,
     qk_norm,
     quant_linear,
     rms_norm,
@@ -16,6 +17,7 @@ from polyfuse.ops import (
     swiglu,
 )
 from polyfuse.ops.attention import AttentionMeta
+from polyfuse.ops.paged_attention import PagedMeta
 
 
 __all__ = [
@@ -27,6 +29,8 @@ __all__ = [
     "linear_cross_entropy",
     "lora_linear",
     "norm_linear_q",
+    "paged_attention",
+    "PagedMeta",
     "qk_norm",
     "quant_linear",
     "rms_norm",

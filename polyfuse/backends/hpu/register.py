@@ -11,6 +11,7 @@ from typing import Optional
 import polyfuse.ops  # noqa: F401  (declares the ops before we register against them)
 from polyfuse.backends.hpu import _habana, fp8_linear, int4_linear
 from polyfuse.backends.hpu.attention import fused_sdpa
+from polyfuse.backends.hpu.paged_attention import paged_fused_sdpa
 from polyfuse.backends.hpu.rms_norm import fused_add_rms_norm, fused_rms_norm
 from polyfuse.backends.hpu.rotary import fused_rope
 from polyfuse.backends.hpu.runtime import HpuRuntime
@@ -45,6 +46,8 @@ IMPLEMENTATIONS = [
     _impl("rms_norm", "fused_rms_norm", fused_rms_norm, _habana.NORMALIZATION, "FusedRMSNorm"),
     _impl("add_rms_norm", "fused_add_rms_norm", fused_add_rms_norm, _habana.NORMALIZATION, "FusedRMSNorm"),
     _impl("rotary", "fused_rope", fused_rope, _habana.KERNELS, "RotaryPosEmbeddingHelperV2"),
+    # Serving: the paged cache gathered per bucket, then FusedSDPA
+    _impl("paged_attention", "paged_fused_sdpa", paged_fused_sdpa, _habana.KERNELS, "FusedSDPA"),
 ]
 
 

@@ -135,6 +135,31 @@ def implementations() -> list[Implementation]:
             backward=False,
             accepts="accepts",
             quiet=True,
+        ),
+        # Serving (polyfuse/serving): one query per sequence over the paged cache through its block table; prefill
+        # chunks are declined to the next choice, the paged flash-attention prefill kernel.
+        _impl(
+            "paged_attention",
+            "triton_paged_decode",
+            "paged_attention",
+            "paged_decode_attention",
+            probe_inference,
+            PRIORITY + 10,
+            backward=False,
+            accepts="accepts",
+            quiet=True,
+            options=False,
+        ),
+        _impl(
+            "paged_attention",
+            "triton_paged_prefill",
+            "paged_attention",
+            "paged_prefill_attention",
+            probe_inference,
+            PRIORITY,
+            backward=False,
+            accepts="accepts_prefill",
+            options=False,
         ),  # fmt: skip
     ]
 

@@ -1,0 +1,203 @@
+"""The serving engine: requests in, a step at a time, text out.
+
+``Engine.step()`` runs one iteration: the scheduler picks the step's sequences (scheduler.py), the runner builds
+the batch's tensors and runs the model's paged step (runner.py), each sequence that produced logits gets its next
+token with its own parameters (sampling.py), its text grows incrementally (detokenize.py) and it finishes on an
+EOS / stop token, a stop string, ``max_tokens`` or ``max_model_len``; finished sequences give their blocks back
+before the step returns. A request with ``n > 1`` is ``n`` sequences (choices) sharing the prompt through the prefix
+cache. The engine is single-threaded: async_engine.py drives it from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from polyfuse.serving.block_manager import BlockManager
+from polyfuse.serving.detokenize import Detokenizer, find_stop, ready_text
+from polyfuse.serving.kv_cache import PagedKVCache
+from polyfuse.serving.request import SamplingParams, Sequence
+from polyfuse.serving.runner import Item, ModelRunner
+from polyfuse.serving.sampling import sample
+from polyfuse.serving.scheduler import Scheduler
+
+
+logger = logging.getLogger("polyfuse")
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefix_caching: bool = True
+    bucket_size: int = 128  # Gaudi's static-shape step (runner.py)
+    seed: int = 0
+
+
+@dataclass
+class Delta:
+    """What one step added to one choice of a request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list
+    logprobs: list  # [(token id, logprob, [(id, logprob), ...])] for the new tokens, when asked
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    finished: dict = field(default_factory=dict)  # finish reason -> count
+
+
+def eos_ids(tokenizer, config) -> set:
+    ids = set()
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig, broadcast: Optional[Callable] = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        layers, kv_heads, hd = model.kv_cache_layout()
+        self.cache = PagedKVCache(
+            layers, config.num_blocks, config.block_size, kv_heads, hd, model.dtype, model.device
+        )
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        model.prepare_positions(config.max_model_len)
+        self.runner = ModelRunner(model, self.cache, config.max_num_seqs, config.max_model_len, config.bucket_size)
+        self.detok = Detokenizer(tokenizer)
+        self.eos = eos_ids(tokenizer, model.config)
+        self.broadcast = broadcast  # tensor parallelism: hands each step's batches to the other ranks first
+        gen_device = model.device if model.device.type == "cuda" else "cpu"
+        self.generator = torch.Generator(device=gen_device).manual_seed(config.seed)
+        self.gen_device = gen_device
+        self.requests: dict = {}  # request id -> its sequences
+        self.stats = Stats()
+
+    # -- requests --------------------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list, params: SamplingParams) -> list:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is in use")
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if len(prompt) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} exceed max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if self.blocks.blocks_for(len(prompt) + params.max_tokens) > self.blocks.usable_blocks:
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + max_tokens {params.max_tokens} need more KV blocks than the cache has "
+                f"({self.blocks.usable_blocks} of {self.config.block_size} tokens)"
+            )
+        now = time.monotonic()
+        seqs = [Sequence(request_id, i, list(prompt), params, arrival=now) for i in range(params.n)]
+        for s in seqs:
+            s.siblings = tuple(o for o in seqs if o is not s)
+            if params.seed is not None and not params.greedy:
+                s.generator = torch.Generator(device=self.gen_device).manual_seed(params.seed + s.index)
+            self.scheduler.add(s)
+        self.requests[request_id] = seqs
+        self.stats.prompt_tokens += len(prompt)
+        return seqs
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (a client that hung up): its sequences end and their blocks are freed now."""
+        for s in self.requests.pop(request_id, []):
+            if not s.finished:
+                self.scheduler.finish(s, "abort")
+
+    def abort_all(self) -> None:
+        for rid in list(self.requests):
+            self.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step --------------------------------------------------------------------------------------------------------
+    def step(self) -> list:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        items = [
+            Item(s.seq.token_slice(s.start, s.count), s.start, self.blocks.table(s.seq.seq_id), s.samples)
+            for s in plan.prefills + plan.decodes
+        ]
+        n_p = len(plan.prefills)
+        batches = self.runner.batches(items[:n_p], items[n_p:])
+        if self.broadcast is not None:
+            self.broadcast(batches)
+        logits = self.runner.run(batches)
+        self.scheduler.computed(plan)
+        self.stats.steps += 1
+        sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
+        if not sampling:
+            return []
+        tokens, logprobs = sample(logits, sampling, self.generator)
+        now = time.monotonic()
+        return [self._append(seq, tok, lp, now) for seq, tok, lp in zip(sampling, tokens, logprobs)]
+
+    def _append(self, seq: Sequence, token: int, logprob, now: float) -> Delta:
+        seq.output.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self.stats.generation_tokens += 1
+        lps = []
+        if logprob is not None:
+            seq.logprobs.append((token, *logprob))
+            lps.append((token, *logprob))
+        p = seq.params
+        reason = None
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        else:
+            new = self.detok.update(seq)
+            if find_stop(seq, len(new)):
+                reason = "stop"
+        if reason is None and (len(seq.output) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+            if all(s.finished for s in self.requests.get(seq.request_id, [])):
+                self.requests.pop(seq.request_id, None)
+        return Delta(seq.request_id, seq.index, ready_text(seq), [token], lps, reason, len(seq.prompt),
+                     seq.cached_tokens)  # fmt: skip
+
+    # -- state, for metrics and tests --------------------------------------------------------------------------------
+    def block_fill(self) -> float:
+        """Of the slots in blocks that running sequences hold, the share holding a computed token (1.0: none
+        wasted); a shared block counts once."""
+        filled: dict = {}
+        bs = self.blocks.block_size
+        for s in list(self.scheduler.running):  # read from the HTTP thread too: copies, not the live lists
+            for i, b in enumerate(list(self.blocks.table(s.seq_id))):
+                filled[b] = max(filled.get(b, 0), min(bs, max(0, s.computed - i * bs)))
+        return sum(filled.values()) / (len(filled) * bs) if filled else 1.0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
