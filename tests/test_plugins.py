@@ -317,8 +317,10 @@ TOP = {  # the integrations on top: anything but a backend by name, and not the 
     "patch": (*LOWER, *UPPER),
     "training": (*LOWER, *UPPER, "patch"),
     "cli": (*LOWER, *UPPER, "patch", "training"),
+    "serving": (*LOWER, *UPPER, "cli"),
+    "__main__": ("cli", "serving"),  # `python -m polyfuse`: dispatches to the entry points
 }
-DEFAULT = ("polyfuse", *LOWER, *UPPER, "patch", "training", "cli")  # e.g. serving: all but backends
+DEFAULT = ("polyfuse", *LOWER, *UPPER, "patch", "training", "cli")  # a new package: all but backends
 
 
 def allowed_for(layer: str) -> set:
@@ -340,7 +342,7 @@ def test_layering():
 
 
 def test_a_new_package_is_checked_by_the_default_rule():
-    assert allowed_for("serving") == {"serving", *DEFAULT} and "backends" not in allowed_for("serving")
+    assert allowed_for("newpackage") == {"newpackage", *DEFAULT} and "backends" not in allowed_for("newpackage")
     assert "backends" not in set().union(*(allowed_for(p) for p in (*ALLOWED, *TOP) if p != "backends"))
 
 

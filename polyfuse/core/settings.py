@@ -33,6 +33,8 @@ _VARIABLES = (
     Variable("POLYFUSE_PLUGINS", str, None, "comma-separated backend plugins to load (unset: all; empty: none, "
              "native ops only)"),
     Variable("POLYFUSE_CACHE", str, _CACHE, "folder for downloaded tokenizers of GGUF checkpoints"),
+    Variable("POLYFUSE_API_KEY", str, None, "the key `polyfuse serve` requires as `Authorization: Bearer` when "
+             "--api_key is not given"),
     Variable("POLYFUSE_DIST_TIMEOUT", float, 600.0, "seconds a rank waits for the others in a collective "
              "(torchrun runs; every rank reads it)"),
     Variable("POLYFUSE_DESTROY_TIMEOUT_S", float, 20.0, "seconds a rank waits for destroy_process_group at exit "

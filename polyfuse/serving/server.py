@@ -15,6 +15,7 @@ import time
 import torch
 
 from polyfuse.cli.generate import UsageError, load, pick_device, set_log_level
+from polyfuse.core import settings
 from polyfuse.core.errors import CheckpointError, one_line
 from polyfuse.distributed.launch import distributed_entry
 from polyfuse.serving.cli import build_parser, validate
@@ -122,7 +123,7 @@ def make_server(engine, name: str, args, on_stop=None):
     aengine = AsyncEngine(engine, args.max_waiting, metrics, idle=idle)
     vocab = engine.model.config.vocab_size
     ctx = Context(name, engine.tokenizer, engine.config.max_model_len, vocab)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else settings.get(API_KEY_ENV) or None
     state = ServerState(aengine, ctx, metrics, api_key, int(time.time()))
 
     from contextlib import asynccontextmanager

@@ -9,10 +9,11 @@ follower's wait never reaches the group's timeout; when it stops it sends ``None
 from __future__ import annotations
 
 import datetime
-import os
 import signal
 
 import torch.distributed as dist
+
+from polyfuse.core import settings
 
 
 IDLE, STOP = "idle", None
@@ -20,7 +21,7 @@ IDLE, STOP = "idle", None
 
 class StepChannel:
     def __init__(self):
-        timeout = datetime.timedelta(seconds=float(os.environ.get("POLYFUSE_DIST_TIMEOUT", "600")))
+        timeout = datetime.timedelta(seconds=settings.get("POLYFUSE_DIST_TIMEOUT"))
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.rank = dist.get_rank()
 
