@@ -48,7 +48,7 @@ class TokenStep(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(  # 11 parameters: a graph's inputs, each a buffer or constant the capture keys on
+    def forward(  # size: a graph's inputs, each a buffer or constant the capture keys on
         self,
         kv_len: int,
         tok,

@@ -484,7 +484,7 @@ def _starts(parts) -> list[int]:
 
 
 def setup(quant: Optional[str], raw: dict, path, gguf_file, device, dtype, flags=None, overrides="", training=False,
-          where: str = "checkpoint", keep_gguf_head: bool = False) -> Optional[QuantSetup]:  # fmt: skip
+          where: str = "checkpoint", keep_gguf_head: bool = False) -> Optional[QuantSetup]:  # fmt: skip  # size: the loader's facts
     """The load's QuantSetup, or None when no projection can end up quantized (a float checkpoint, no --quant).
     ``keep_gguf_head`` (``quant_lm_head``): a GGUF's own output.weight in a kept type stays as stored too."""
     from polyfuse.core.context import SelectionContext

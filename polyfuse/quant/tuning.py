@@ -36,6 +36,7 @@ calibration windows but not others is not kept). With one window that window dec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -109,9 +110,48 @@ def split_windows(n: int) -> tuple[list[int], list[int]]:
     return [i for i in range(n) if i not in held], held
 
 
+def _check_tuning(model, windows, targets, steps: int, lr: float, scale_lr: float, norms: bool, scales: bool):
+    _check(model, windows)
+    if len(targets) != len(windows):
+        raise ValueError(f"tune_norms_: {len(targets)} targets for {len(windows)} windows")
+    if isinstance(model.lm_head, QLinear):
+        raise ValueError("tuning needs the float LM head (its targets are made by it): quantize the head after")
+    if steps < 1 or not (lr > 0 and math.isfinite(lr)) or not (scale_lr > 0 and math.isfinite(scale_lr)):
+        raise ValueError(f"tune_norms_: steps >= 1 and a finite lr and scale_lr > 0, got {steps}, {lr} and {scale_lr}")
+    if not (norms or scales):
+        raise ValueError("tune_norms_: nothing to tune (norms=False, scales=False)")
+
+
+@contextlib.contextmanager
+def _tuning_mode(model, params: list):
+    """Only ``params`` take gradients, training kernels, train mode and gradient checkpointing (one layer's
+    dequantized weights held at a time) inside; every parameter's flag and gradient, every module's mode and the
+    model's kernels as before on the way out, error or not."""
+    tuned = {id(p) for p in params}
+    saved_grads = [p.grad for p in params]
+    requires = {name: p.requires_grad for name, p in model.named_parameters()}
+    modes = {name: m.training for name, m in model.named_modules()}
+    saved = (model.kernels, model.gradient_checkpointing)
+    try:
+        for p in model.parameters():
+            p.requires_grad_(id(p) in tuned)
+        model.kernels = _training_kernels(saved[0].context)
+        model.train(True)
+        model.gradient_checkpointing = True
+        yield
+    finally:
+        model.kernels, model.gradient_checkpointing = saved
+        for name, m in model.named_modules():
+            m.training = modes[name]
+        for name, p in model.named_parameters():
+            p.requires_grad_(requires[name])
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+
+
 def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor], steps: int = NORM_STEPS,
                 lr: float = NORM_LR, seed: int = 0, log=None, norms: bool = True, scales: bool = False,
-                scale_lr: float = SCALE_LR) -> dict:  # fmt: skip
+                scale_lr: float = SCALE_LR) -> dict:  # fmt: skip  # size: one tuning run's keyword options
     """Fit the quantized ``model``'s RMSNorm weights (``norms``) and / or its projections' scales (``scales``:
     ``scaled_modules``, each scale's relative change at ``scale_lr``) in place to ``targets`` (``norm_targets`` of the
     float model on the same ``windows``): ``steps`` Adam steps (``lr``), one window each, minimizing the KL divergence
@@ -125,20 +165,11 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     Returns {"before", "after": the judging windows' mean KL per token untuned and as kept, "held_out": how many
     windows judged (0: the one window), "passes": [each pass's KL over its steps, measured as the weights moved],
     "tuned": whether tuned values were kept}."""
-    _check(model, windows)
-    if len(targets) != len(windows):
-        raise ValueError(f"tune_norms_: {len(targets)} targets for {len(windows)} windows")
-    if isinstance(model.lm_head, QLinear):
-        raise ValueError("tuning needs the float LM head (its targets are made by it): quantize the head after")
-    if steps < 1 or not (lr > 0 and math.isfinite(lr)) or not (scale_lr > 0 and math.isfinite(scale_lr)):
-        raise ValueError(f"tune_norms_: steps >= 1 and a finite lr and scale_lr > 0, got {steps}, {lr} and {scale_lr}")
+    _check_tuning(model, windows, targets, steps, lr, scale_lr, norms, scales)
     train, held = split_windows(len(windows))
     judge = held or train
     what = ["norm"] * norms + ["scale"] * scales
-    if not (norms or scales):
-        raise ValueError("tune_norms_: nothing to tune (norms=False, scales=False)")
     params = [p for _, p in norm_weights(model)] if norms else []
-    tuned = {id(p) for p in params}
     start = [p.detach().clone() for p in params]
     scaled = scaled_modules(model) if scales else []
     if scales and not scaled:
@@ -147,10 +178,6 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     scale0 = [m._buffers["scales"] for m in scaled]
     scale_start = [s.clone() for s in scale0]  # an error while the kept values are written puts these back
     ratios = [torch.zeros(s.shape, dtype=torch.float32, device=s.device, requires_grad=True) for s in scale0]
-    saved_grads = [p.grad for p in params]
-    requires = {name: p.requires_grad for name, p in model.named_parameters()}
-    modes = {name: m.training for name, m in model.named_modules()}
-    saved = (model.kernels, model.gradient_checkpointing)
     runtime = getattr(model, "runtime", None)
     generator = torch.Generator().manual_seed(seed)
     # float32 copies take Adam's steps (in bf16 a weight just below 1 moves by 2^-8 or more: steps of about lr would
@@ -158,53 +185,45 @@ def tune_norms_(model, windows: list[torch.Tensor], targets: list[torch.Tensor],
     masters = [p.detach().float().clone().requires_grad_(True) for p in params]
     groups = [{"params": masters, "lr": lr}] * bool(masters) + [{"params": ratios, "lr": scale_lr}] * bool(ratios)
     optimizer = torch.optim.Adam(groups)
-    done = False
-    try:
-        for p in model.parameters():
-            p.requires_grad_(id(p) in tuned)
-        model.kernels = _training_kernels(saved[0].context)
-        model.train(True)
-        model.gradient_checkpointing = True  # one layer's dequantized weights held at a time, not the model's
-        _set_scales(scaled, scale0, ratios)
-        before = best = _mean_kl(model, windows, targets, judge)
-        best_norms, best_ratios, passes = None, None, []
-        for first in range(0, steps, len(train)):
-            order = torch.randperm(len(train), generator=generator).tolist()[: steps - first]
-            passes.append(_pass(model, [train[i] for i in order], windows, targets, params, masters, optimizer,
-                                runtime, (scaled, scale0, ratios)))  # fmt: skip
-            if not held and first + len(train) < steps:  # one window: it judges the last pass only
-                continue
-            kl = _mean_kl(model, windows, targets, judge)
-            if kl < best:
-                best, best_norms = kl, [p.detach().clone() for p in params]
-                best_ratios = [r.detach().clone() for r in ratios]
-            if log is not None:
-                log(len(passes), passes[-1], kl)
-        with torch.no_grad():
-            for p, value in zip(params, best_norms or start):
-                p.copy_(value)
-            tuned_scales = [_scaled(s0, r) for s0, r in zip(scale0, best_ratios or [])]  # all, before any is written
-            for s0, value in zip(scale0, tuned_scales):
-                s0.copy_(value)  # rounded to the stored dtype: the kernels and a save read this buffer
-        if best_norms is None:
-            logger.warning("warning: %s tuning: no pass lowered the KL to the float model on the %s (%.5f per "
-                           "token): the %ss are kept as they were", " and ".join(what), "held-out calibration windows"
-                           if held else "calibration window", before, "s and ".join(what))  # fmt: skip
-        done = True
-    finally:
-        if not done:
+    with _tuning_mode(model, params):
+        done = False
+        try:
+            _set_scales(scaled, scale0, ratios)
+            before = best = _mean_kl(model, windows, targets, judge)
+            best_norms, best_ratios, passes = None, None, []
+            for first in range(0, steps, len(train)):
+                order = torch.randperm(len(train), generator=generator).tolist()[: steps - first]
+                passes.append(_pass(model, [train[i] for i in order], windows, targets, params, masters, optimizer,
+                                    runtime, (scaled, scale0, ratios)))  # fmt: skip
+                if not held and first + len(train) < steps:  # one window: it judges the last pass only
+                    continue
+                kl = _mean_kl(model, windows, targets, judge)
+                if kl < best:
+                    best, best_norms = kl, [p.detach().clone() for p in params]
+                    best_ratios = [r.detach().clone() for r in ratios]
+                if log is not None:
+                    log(len(passes), passes[-1], kl)
             with torch.no_grad():
-                for p, value in zip(params + scale0, start + scale_start):
+                for p, value in zip(params, best_norms or start):
                     p.copy_(value)
-        for m, s0 in zip(scaled, scale0):
-            m._buffers["scales"] = s0
-        model.kernels, model.gradient_checkpointing = saved
-        for name, m in model.named_modules():
-            m.training = modes[name]
-        for name, p in model.named_parameters():
-            p.requires_grad_(requires[name])
-        for p, grad in zip(params, saved_grads):
-            p.grad = grad
+                tuned_scales = [
+                    _scaled(s0, r) for s0, r in zip(scale0, best_ratios or [])
+                ]  # all, before any is written
+                for s0, value in zip(scale0, tuned_scales):
+                    s0.copy_(value)  # rounded to the stored dtype: the kernels and a save read this buffer
+            if best_norms is None:
+                where = "held-out calibration windows" if held else "calibration window"
+                logger.warning("warning: %s tuning: no pass lowered the KL to the float model on the %s (%.5f per "
+                               "token): the %ss are kept as they were", " and ".join(what), where, before,
+                               "s and ".join(what))  # fmt: skip
+            done = True
+        finally:
+            if not done:
+                with torch.no_grad():
+                    for p, value in zip(params + scale0, start + scale_start):
+                        p.copy_(value)
+            for m, s0 in zip(scaled, scale0):
+                m._buffers["scales"] = s0
     return {"before": before, "after": best, "held_out": len(held), "passes": passes, "tuned": best_norms is not None}
 
 
@@ -241,7 +260,9 @@ def _training_kernels(ctx):
         logger.setLevel(level)
 
 
-def _pass(model, order: list, windows, targets, params, masters, optimizer, runtime, scales) -> float:
+def _pass(
+    model, order: list, windows, targets, params, masters, optimizer, runtime, scales
+) -> float:  # size: a pass's state
     """One Adam step per window of ``order``; their mean KL per token (as the weights moved)."""
     total = tokens = 0
     with torch.enable_grad():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:  # size: the server's flags, one declaration each
     p = argparse.ArgumentParser(
         prog="polyfuse serve",
         description="An OpenAI-compatible server (chat and text completions) with continuous batching over a paged "

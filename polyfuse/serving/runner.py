@@ -78,7 +78,7 @@ class PagedStep(nn.Module):
         self.scale = head_dim(model.config) ** -0.5
 
     def forward(self, width, input_ids, positions, slots, p_tables, p_lens, q_index, q_pos, out_index, d_tables,
-                d_lens, logits_rows):  # fmt: skip
+                d_lens, logits_rows):  # fmt: skip  # size: a graph's inputs, one tensor each
         parts, n_p = [], 0
         if p_tables is not None:
             n_p = out_index.shape[0]

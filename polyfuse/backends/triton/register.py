@@ -75,7 +75,7 @@ def probe_gemv(ctx: SelectionContext) -> Optional[str]:
 
 
 def _impl(op, name, module, attr, probe=probe_triton, priority=PRIORITY, backward=True, accepts=False, quiet=False,
-          options=True):  # fmt: skip
+          options=True):  # fmt: skip  # size: one keyword per Implementation field it fills
     """A Triton implementation: ``options``: its functions take the run's KernelOptions (PDL, tiles)."""
     mod = f"polyfuse.backends.triton.{module}"
     return Implementation(

@@ -48,7 +48,7 @@ def _rotary_kv_write_kernel(
         tl.store(dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
-def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):
+def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):  # size: the op's signature
     """None when the kernel takes these inputs, else why not (the registry's next choice runs)."""
     return (
         "odd head dim" if q.shape[-1] % 2
@@ -58,7 +58,7 @@ def accepts(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT
     )  # fmt: skip
 
 
-def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):
+def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, cache_position, options=DEFAULT):  # size: the op's signature
     b, hq, length, d = q.shape
     hkv = k.shape[1]
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
