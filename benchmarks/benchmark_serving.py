@@ -16,7 +16,9 @@ token ids and every request generates exactly its output length (``ignore_eos``)
 through ``init_continuous_batching`` (its streaming result handlers, what ``transformers serve`` uses), with the
 model sharing polyfuse's weight storage. Reported per implementation: request throughput, output tokens/s, total
 tokens/s, time to first token and time per output token (after the first) at p50 / p99 / mean, and for polyfuse the
-KV blocks' fill at the busiest step. Rows go to stdout as JSON (and to --output).
+KV blocks' fill at the busiest step. Rows go to stdout as JSON (and to --output); with --results, the figure rows
+(``"what": "serving"``) with the date, device, versions and command go to benchmarks/results/serving.jsonl, which
+benchmarks/make_table.py turns into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from benchmarks.harness.report import RowSink  # noqa: E402
 from benchmarks.harness.shapes import config_for  # noqa: E402
 
 
@@ -225,7 +228,8 @@ def run_polyfuse(args, model, reqs: list) -> dict:
         thread.join(60)
     busiest = max(fills) if fills else (0, 1.0)
     extra = {"kv_blocks": blocks - 1, "kv_blocks_used_max": busiest[0], "kv_fill_at_busiest": round(busiest[1], 4),
-             "preemptions": engine.scheduler.preemptions, "api": args.api}  # fmt: skip
+             "preemptions": engine.scheduler.preemptions, "api": args.api,
+             "clients": "own process" if args.api == "http" else "server process"}  # fmt: skip
     row = summarize("polyfuse", reqs, results, seconds, extra)
     engine.step = real_step  # the closure held the engine: let it go with the row
     return row
@@ -330,7 +334,7 @@ def run_transformers(args, model, reqs: list) -> dict:
     finally:
         manager.stop(block=True, timeout=30)
         manager.destroy()
-    row = summarize("transformers", reqs, results, seconds, {"attention": args.peer_attn})
+    row = summarize("transformers", reqs, results, seconds, {"attention": args.peer_attn, "clients": "server process"})
     del hf, manager
     return row
 
@@ -362,16 +366,18 @@ async def _transformers_clients(args, reqs, manager):
 def run_generate(args, model, reqs: list) -> dict:
     """polyfuse's generate() (what run_generation.py runs, with the same flags) at batch 1, one prompt of the
     median input length, the median output length: the time per output token a single stream can have."""
+    from polyfuse.generation.hooks import PhaseTimer
+
     n, new = args.input_len_median, args.output_len_median
     ids = torch.randint(10, model.config.vocab_size - 1, (1, n), generator=torch.Generator().manual_seed(args.seed))
     ids = ids.to(model.device)
     tpots, ttfts = [], []
     for i in range(4):  # the first run captures the graphs
-        timings: dict = {}
-        model.generate(ids, max_new_tokens=new, ignore_eos=True, timings=timings, bucket_size=128)
+        timer = PhaseTimer(model.runtime)  # the device synchronized at generate()'s phase boundaries
+        model.generate(ids, max_new_tokens=new, ignore_eos=True, hooks=timer, bucket_size=128)
         if i:
-            tpots.append(timings["rest_s"] / max(timings["new_tokens"] - 1, 1))
-            ttfts.append(timings["first_token_s"])
+            tpots.append(timer.rest_s / max(timer.new_tokens - 1, 1))
+            ttfts.append(timer.first_token_s)
     tpots.sort()
     ttfts.sort()
     return {"impl": "generate_batch1", "prompt_len": n, "new_tokens": new, "tpot_ms_p50": round(1e3 * tpots[1], 3),
@@ -414,7 +420,41 @@ def parse_args(argv=None):
     a("--peer_attn", default="sdpa", help="transformers' attention for its continuous batching")
     a("--seed", type=int, default=0)
     a("--output", default=None, help="append the JSON rows here")
+    a(
+        "--results",
+        default=None,
+        help="append the figure rows with date, device, versions and command to this "
+        "JSON-lines file, or to serving.jsonl in this folder (benchmarks/results: docs/benchmarks.md is made from it)",
+    )
     return p.parse_args(argv)
+
+
+def settings(args) -> dict:
+    """What a row's figures depend on besides the implementation: make_table.py sets the peers measured with the same
+    settings beside polyfuse."""
+    return {"what": "serving", "shape": args.shape, "dtype": "bfloat16" if args.bf16 else "float32",
+            "flags": args.flags, "num_prompts": args.num_prompts,
+            "request_rate": None if math.isinf(args.request_rate) else args.request_rate,  # None: all at once
+            "max_concurrency": args.max_concurrency, "input_len_median": args.input_len_median,
+            "output_len_median": args.output_len_median, "max_input_len": args.max_input_len,
+            "max_output_len": args.max_output_len, "max_num_seqs": args.max_num_seqs, "seed": args.seed}  # fmt: skip
+
+
+def versions_row(device) -> dict:
+    row = {"what": "versions", "device": device.type, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}  # fmt: skip
+    try:
+        import transformers
+
+        row["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return row
+
+
+def log(row: dict, out: RowSink) -> None:
+    print(json.dumps(row), flush=True)
+    out.write(row)
 
 
 def main(argv=None) -> int:
@@ -422,34 +462,24 @@ def main(argv=None) -> int:
     from polyfuse.core.platform import default_device_type
 
     device = torch.device(default_device_type() if args.device == "auto" else args.device)
+    peers = [p for p in args.peers.split(",") if p]
+    for peer in peers:
+        if peer not in PEERS:
+            raise SystemExit(f"error: unknown peer {peer!r} ({', '.join(PEERS)})")
+    out = RowSink(args.output, args.results, torch.cuda.get_device_name(device) if device.type == "cuda" else
+                  device.type)  # fmt: skip
+    log(versions_row(device), out)
     model = polyfuse_model(args, device)
     reqs = workload(args, model.config.vocab_size)
-    meta = {"shape": args.shape, "dtype": "bfloat16" if args.bf16 else "float32", "device": device.type,
-            "num_prompts": args.num_prompts, "request_rate": args.request_rate,
-            "max_concurrency": args.max_concurrency, "flags": args.flags, "seed": args.seed,
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "torch": torch.__version__}  # fmt: skip
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    rows = [{**meta, **run_polyfuse(args, model, reqs)}]
-    for peer in filter(None, args.peers.split(",")):
+    rows = [{**settings(args), **run_polyfuse(args, model, reqs)}]
+    log(rows[0], out)
+    for peer in peers:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if peer not in PEERS:
-            raise SystemExit(f"error: unknown peer {peer!r} ({', '.join(PEERS)})")
-        rows.append({**meta, **PEERS[peer](args, model, reqs)})
-    out = open(args.output, "a") if args.output else None
-    for row in rows:
-        print(json.dumps(row), flush=True)
-        if out:
-            out.write(json.dumps(row) + "\n")
-    if out:
-        out.close()
+        rows.append({**settings(args), **PEERS[peer](args, model, reqs)})
+        log(rows[-1], out)
+    out.close()
     for row in rows[1:]:
         ratio = rows[0]["output_tok_per_s"] / row["output_tok_per_s"]
         tpot = rows[0]["tpot_ms_p50"] / row["tpot_ms_p50"] if row.get("tpot_ms_p50") else float("nan")

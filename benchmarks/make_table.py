@@ -442,6 +442,79 @@ def speculative_table(rows) -> list[str]:
                         "plain s", "prompt lookup s", "speedup", "device", "date"], lines)  # fmt: skip
 
 
+# ---- serving
+
+SERVING_SETTINGS = ("shape", "dtype", "flags", "request_rate", "max_concurrency", "input_len_median",
+                    "output_len_median", "max_input_len", "max_output_len", "seed")  # fmt: skip
+SERVING_PEERS = {"transformers": "transformers continuous batching", "generate_batch1": "polyfuse generate(), batch 1"}
+CLIENTS = {"own process": "HTTP, clients in their own process", "server process": "HTTP, clients in the server's "
+           "process"}  # fmt: skip
+
+
+def serving_setting(r) -> tuple:
+    return (gpu(r),) + tuple(r.get(k) for k in SERVING_SETTINGS)
+
+
+def serving_rows(rows):
+    """(polyfuse rows, peer rows), the last of each setting (and polyfuse's API, the peer's implementation)."""
+    serve = [r for r in rows if r["what"] == "serving"]
+    ours = latest([r for r in serve if r["impl"] == "polyfuse"], lambda r: serving_setting(r) + (r.get("api"),))
+    peers = latest([r for r in serve if r["impl"] != "polyfuse"], lambda r: serving_setting(r) + (r["impl"],))
+    return ours, peers
+
+
+def serving_peers(row, peers) -> list:
+    return [p for k, p in peers.items() if k[:-1] == serving_setting(row)]
+
+
+def p50_p99(r, name, digits) -> str:
+    return f"{num(r.get(name + '_p50'), digits)} / {num(r.get(name + '_p99'), digits)}"
+
+
+def serving_speed(r) -> str:
+    req = r.get("request_throughput")
+    return num(r.get("output_tok_per_s")) + (f" ({num(req, 2)} req/s)" if req is not None else "")
+
+
+def serving_ratio(r, p) -> str | None:
+    cells = [f"{name} {ratio(r.get(key), p.get(key))}" for name, key in
+             (("tok/s", "output_tok_per_s"), ("TPOT p50", "tpot_ms_p50")) if r.get(key) and p.get(key)]  # fmt: skip
+    return ", ".join(cells) or None
+
+
+def kv_cell(r) -> str | None:
+    if r.get("kv_blocks_used_max") is None:
+        return None
+    fill = f", {pct(r['kv_fill_at_busiest'], sign=False)} of their slots filled" if "kv_fill_at_busiest" in r else ""
+    return f"{r['kv_blocks_used_max']:,} of {r['kv_blocks']:,}{fill}, {r.get('preemptions', '-')} preempted"
+
+
+def serving_table(rows) -> list[str]:
+    ours, peers = serving_rows(rows)
+    keys = sorted(ours, key=lambda k: (rank(k[0], DEVICES), rank(k[1], SHAPES), k[2], k[3], str(k[4]), k[5] or 0,
+                                       str(k[6:])))  # fmt: skip
+    lines = []
+    for k in keys:
+        r = ours[k]
+        rate = "all at once" if r.get("request_rate") is None else f"Poisson {r['request_rate']:g}/s"
+        driven = CLIENTS.get(r.get("clients"), "HTTP") if r.get("api") == "http" else "the engine directly"
+        dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(r["dtype"], r["dtype"])
+        head = [f"{SHAPE_NAMES.get(r['shape'], r['shape'])}, {dtype}",
+                f"{r['max_concurrency'] or 'no limit'} ({r['num_prompts']} requests, {rate})", driven,
+                f"**{serving_speed(r)}**" if r.get("output_tok_per_s") else None, p50_p99(r, "ttft_ms", 1),
+                p50_p99(r, "tpot_ms", 2), kv_cell(r)]  # fmt: skip
+        for p in serving_peers(r, peers) or [None]:
+            tail = [None] * 5 if p is None else [
+                SERVING_PEERS.get(p["impl"], p["impl"]) + (f" ({p['attention']})" if p.get("attention") else ""),
+                serving_speed(p) if p.get("output_tok_per_s") else None, p50_p99(p, "ttft_ms", 1),
+                p50_p99(p, "tpot_ms", 2), serving_ratio(r, p)]  # fmt: skip
+            lines.append(head + tail + [gpu(r), r["date"]])
+    header = ["model", "concurrency (requests, arrivals)", "polyfuse driven over", "polyfuse output tok/s",
+              "TTFT ms p50 / p99", "TPOT ms p50 / p99", "KV blocks at the busiest step", "peer", "peer output tok/s",
+              "peer TTFT ms p50 / p99", "peer TPOT ms p50 / p99", "polyfuse / peer", "device", "date"]  # fmt: skip
+    return table(header, lines)
+
+
 # ---- the page
 
 INTRO = """\
@@ -492,6 +565,12 @@ SECTIONS = [
     ("FSDP2, 2 GPUs", "Both Trainers with the same FSDP2 settings, gradient checkpointing, fused AdamW.", "fsdp"),
     ("Speculative decoding, batch 1", "benchmarks/benchmark_speculative.py (docs/speculative.md): speedup = plain "
      "ms a token / speculative ms a token, decode phase; prompt lookup's is end to end.", "speculative"),
+    ("Serving", "benchmarks/benchmark_serving.py (docs/serving.md): random weights, ShareGPT-like lengths (log-normal, "
+     "medians 160 prompt / 140 output tokens, seed 0), every request exactly its output length; polyfuse serve "
+     "(streaming completions) against transformers' continuous batching on the same weights, and generate() at "
+     "batch 1. TTFT: from sending the request to its first token; TPOT: per output token after the first; KV: polyfuse's blocks in use at "
+     "the busiest step and the share of their slots holding a token. A \"-\": not measured, or not kept for that "
+     "run.", "serving"),
     ("Perplexity of the built-in model", "benchmarks/evaluate_perplexity.py; vs float: against the first entry "
      "(the float model) of the same run; standard error from the per-token losses; samples: jittered input "
      "embeddings (docs/quantization.md, \"Quality\").", "perplexity"),
@@ -507,7 +586,7 @@ def section_lines(kind, rows) -> list[str]:
         "linear": lambda: linear_table(rows),
         "training": lambda: training_table(rows), "longest": lambda: longest_seq_table(rows),
         "lora": lambda: lora_table(rows), "fsdp": lambda: fsdp_table(rows), "perplexity": lambda: perplexity_table(rows),
-        "speculative": lambda: speculative_table(rows),
+        "speculative": lambda: speculative_table(rows), "serving": lambda: serving_table(rows),
     }  # fmt: skip
     return makers[kind]()
 
@@ -577,6 +656,7 @@ def readme_other_items(rows):
         items.append(("Llama-3-8B decode, batch 1, tensor parallel over 2 GPUs", ours[-1],
                       f"{num(ours[-1]['tok_per_s'])} tok/s", theirs[:1], lambda p: f"{num(p['tok_per_s'])} tok/s",
                       ratio(ours[-1]["tok_per_s"], theirs[0]["tok_per_s"])))  # fmt: skip
+    items += readme_serving_items(rows)
     steps = latest(
         [r for r in rows if r["what"] == "train_step" and "seq" in r],
         lambda r: (r["shape"], r["seq"], r["batch"], r["gradient_checkpointing"], r["variant"]),
@@ -614,6 +694,29 @@ def readme_other_items(rows):
     return items
 
 
+def readme_serving_items(rows) -> list:
+    """One row: Llama-3-8B served at 64 concurrent requests against transformers' continuous batching, on the first
+    device of DEVICES that has it."""
+    ours, peers = serving_rows(rows)
+    tok = lambda r: r["output_tok_per_s"]  # noqa: E731
+    for dev in DEVICES:
+        for k, r in ours.items():
+            near = [p for p in serving_peers(r, peers) if p["impl"] == "transformers" and p.get("output_tok_per_s")]
+            want = (dev, "llama3-8b", "bfloat16", 64, None, "http")
+            if (
+                k[0],
+                r["shape"],
+                r["dtype"],
+                r["max_concurrency"],
+                r.get("request_rate"),
+                r.get("api"),
+            ) == want and near:
+                return [("Llama-3-8B serving, 64 concurrent requests, bf16", r,
+                         f"{num(tok(r))} output tok/s", near, lambda p: f"{num(tok(p))} output tok/s",
+                         ratio(tok(r), tok(near[0])))]  # fmt: skip
+    return []
+
+
 def readme_table(rows) -> str:
     lines = []
     for label, r, figure, near, peer_figure, rat in readme_items(rows):
@@ -634,6 +737,8 @@ def readme_peer_name(p) -> str:
         return "transformers Trainer"
     if p["what"] == "lora_step":
         return "transformers + PEFT"
+    if p["what"] == "serving":
+        return SERVING_PEERS.get(p["impl"], p["impl"])
     if p.get("tp_plan"):
         return f'transformers tp_plan="auto", {p["mode"].replace("_", " + ")}'
     return peer_name(p)

@@ -254,13 +254,17 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
 def test_benchmark_serving_tiny(tmp_path):
     """benchmark_serving.py at the tiny shape: polyfuse over HTTP, transformers' continuous batching and generate()
     at batch 1 on the same requests; every request completes with exactly its output length in both servers."""
-    out = tmp_path / "serve.jsonl"
+    out, folder = tmp_path / "serve.jsonl", tmp_path / "results"
+    folder.mkdir()
     _run([
         "benchmarks/benchmark_serving.py", "--shape", "tiny", "--num_prompts", "6", "--request_rate", "50",
         "--max_concurrency", "4", "--input_len_median", "12", "--output_len_median", "8", "--max_input_len", "40",
         "--max_output_len", "16", "--peers", "transformers,generate", "--output", str(out),
+        "--results", str(folder),
     ])  # fmt: skip
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["what"] for r in rows] == ["versions", "serving", "serving", "serving"]
+    rows = rows[1:]
     assert [r["impl"] for r in rows] == ["polyfuse", "transformers", "generate_batch1"]
     serve, peer = rows[0], rows[1]
     for r in (serve, peer):
@@ -268,4 +272,22 @@ def test_benchmark_serving_tiny(tmp_path):
         assert r["ttft_ms_p50"] > 0 and r["tpot_ms_p99"] >= r["tpot_ms_p50"] > 0
     assert serve["output_tokens"] == peer["output_tokens"] and serve["input_tokens"] == peer["input_tokens"]
     assert 0 < serve["kv_fill_at_busiest"] <= 1 and serve["kv_blocks_used_max"] > 0
+    assert serve["clients"] == "own process" and peer["clients"] == "server process"
     assert rows[2]["tpot_ms_p50"] > 0
+    # --results (a folder): the same figure rows in serving.jsonl with date, device, versions and command, in the
+    # shape make_table.py pairs: equal settings, polyfuse beside its peers
+    results = [json.loads(line) for line in (folder / "serving.jsonl").read_text().splitlines()]
+    assert [r["impl"] for r in results] == ["polyfuse", "transformers", "generate_batch1"]
+    assert list(results[0])[:3] == ["what", "date", "device"] and list(results[0])[-2:] == ["versions", "command"]
+    for got, row in zip(results, rows):
+        assert got["what"] == "serving" and got["device"] == "cpu" and got["date"][:4].isdigit()
+        assert got["command"].startswith("python ") and "--results" in got["command"]
+        assert {"torch", "transformers", "triton", "cuda"} <= set(got["versions"])
+        assert {k: v for k, v in got.items() if k not in ("date", "device", "versions", "command")} == row
+        assert got["shape"] == "tiny" and got["max_concurrency"] == 4 and got["request_rate"] == 50
+    assert results[0]["output_tokens"] == results[1]["output_tokens"] == serve["output_tokens"]
+    from benchmarks import make_table
+
+    table = "\n".join(make_table.serving_table(make_table.load_rows(str(folder))))
+    assert table.count("| tiny, fp32 | 4 (6 requests, Poisson 50/s) | HTTP, clients in their own process |") == 2
+    assert "transformers continuous batching (sdpa)" in table and "polyfuse generate(), batch 1" in table

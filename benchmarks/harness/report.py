@@ -26,6 +26,7 @@ RESULT_FILES = {
     "spec_verify": "speculative.jsonl",
     "spec_replay": "speculative.jsonl",
     "spec_lookup": "speculative.jsonl",
+    "serving": "serving.jsonl",
 }
 VERSIONED = ("transformers", "triton", "accelerate", "peft", "torchao", "liger-kernel")
 
