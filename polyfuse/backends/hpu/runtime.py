@@ -23,6 +23,8 @@
 * fp8 on Gaudi2, whose e4m3 reaches 240: ``fp8_max()`` makes weights quantized on the device scale to 240, and
   ``adapt_quantized()`` halves the loaded fp8 rows beyond it and doubles their scales (fp8_range.py); Gaudi3 holds
   float8_e4m3fn's 448.
+* fp8 on Gaudi: ``adapt_quantized()`` also makes each fp8 weight's [K, N] copy, the form INC passes to
+  ``fp8_gemm_v2`` (fp8_linear.py), where the run uses that kernel.
 * int4 on Gaudi: ``adapt_quantized()`` also repacks each int4 weight into the layout of Habana's
   ``convert_from_uint4`` once (int4_linear.py), kept beside the module's buffers, where the run uses that kernel.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
@@ -36,7 +38,7 @@ from typing import Callable, Optional
 
 import torch
 
-from polyfuse.backends.hpu import _habana, int4_linear
+from polyfuse.backends.hpu import _habana, fp8_linear, int4_linear
 from polyfuse.backends.hpu.fp8_range import device_fp8_max, fit_gaudi2
 from polyfuse.core.runtime import DeviceRuntime, Step
 
@@ -80,9 +82,9 @@ class HpuGraphStep(Step):
             clear()
 
 
-def _runs_uint4(kernels) -> bool:
+def _runs(kernels, name: str) -> bool:
     chain = {i.name for i in kernels.choices["linear_q"].chain}
-    return "uint4_matmul" in chain and kernels.context.dtype in int4_linear.DTYPES
+    return name in chain
 
 
 class HpuRuntime(DeviceRuntime):
@@ -150,15 +152,19 @@ class HpuRuntime(DeviceRuntime):
         ``uint4_matmul`` and the run is bfloat16 (int4_linear.py: made here once rather than on the first call,
         where an HPU graph would capture it; no second copy for a run that never uses it); on Gaudi2, fp8 weight
         rows holding codes beyond its e4m3 range (240) are halved and their scales doubled (fp8_range.py)."""
-        if kernels is not None and _runs_uint4(kernels):
+        if kernels is not None and _runs(kernels, "uint4_matmul") and kernels.context.dtype in int4_linear.DTYPES:
             for w in weights:
                 if w.format == "int4":
                     int4_linear.prepare(w)
-        if device_fp8_max() is None:
-            return
-        rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
-        if rows:
-            logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled", rows)
+        if device_fp8_max() is not None:
+            rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
+            if rows:
+                logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled",
+                            rows)  # fmt: skip
+        if kernels is not None and _runs(kernels, "fp8_gemm"):  # INC's [K, N] copy, after the rows were fitted
+            for w in weights:
+                if w.format == "fp8":
+                    fp8_linear.prepare(w)
 
     @classmethod
     def refusal(cls, flags: dict):
