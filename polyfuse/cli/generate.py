@@ -569,7 +569,7 @@ def run(args) -> dict:
 
         print("\n".join(filter(None, [model.kernels.report(), quantization_report(model)])))
     runtime = model.runtime
-    gen = torch.Generator(device=device if device.type != "hpu" else "cpu").manual_seed(args.seed)
+    gen = runtime.sampling_generator(args.seed)  # HPU: None, its default generator seeded (no host draws)
 
     def one_run(timer=None):
         from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)

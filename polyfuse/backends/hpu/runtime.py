@@ -101,6 +101,7 @@ class HpuRuntime(DeviceRuntime):
     )
     # Whether HPU graphs replay in-place updates of their inputs faithfully is unverified: keep the per-token loop.
     inplace_decode = False
+    static_shapes = True  # lazy mode compiles a graph per shape signature
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -201,6 +202,15 @@ class HpuRuntime(DeviceRuntime):
             sync = getattr(getattr(torch, "hpu", None), "synchronize", None)
         if sync is not None:
             sync()
+
+    def sampling_generator(self, seed: int):
+        """None: torch has no ``Generator(device="hpu")``; the HPU's default generator is seeded instead, as
+        optimum-habana's ``set_seed`` does (``torch.manual_seed`` and ``hpu.random.manual_seed_all``)."""
+        torch.manual_seed(seed)
+        seed_all = _habana.import_component(_habana.HPU + ".random", "manual_seed_all")
+        if seed_all is not None:
+            seed_all(seed)
+        return None
 
     def reset_peak_memory(self) -> None:
         reset = _habana.import_component(_habana.HPU, "reset_peak_memory_stats")

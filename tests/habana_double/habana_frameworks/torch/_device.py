@@ -393,7 +393,10 @@ def _aliases(out, leaves) -> bool:
 
 def replay(ops: list) -> None:
     """Run the captured ops again on the tensors they were captured with (inputs already copied in): functional ops'
-    results are written into the capture's output tensors, in-place ops write their targets, views alias already."""
+    results are written into the capture's output tensors, in-place ops write their targets, views alias already.
+    In lazy mode the ops pending before it run first (the graph reads their results), as at a capture."""
+    if STATE.lazy:
+        STATE.flush()
     STATE.replaying = True
     STATE.inside += 1
     try:
