@@ -18,10 +18,11 @@ STAMP := $(VENV)/.installed
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PINS := torch==2.7.1 transformers==4.55.4 accelerate==1.10.1 peft==0.17.1 "numpy<2.4" safetensors gguf pytest \
+	pytest-xdist \
 	"setuptools>=77"
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: venv demo test test-compat test-cuda test-hpu style lint bench clean
+.PHONY: venv demo test test-slow test-all test-compat test-cuda test-hpu style lint bench clean
 
 venv: $(STAMP)
 
@@ -42,8 +43,18 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (pytest-xdist), a test file per worker: the CI machine has two cores.
+PYTEST_ARGS := -q -n 2 --dist loadfile
+
+# The fast suite: every area's tests but those marked slow (over a few seconds on a 2-core machine).
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not cuda and not hpu"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS) -m "not cuda and not hpu and not slow"
+
+# The slow tests alone; `make test-all` is both, as CI runs them.
+test-slow: venv
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS) -m "slow and not cuda and not hpu"
+
+test-all: test test-slow
 
 $(COMPAT_STAMP): pyproject.toml Makefile
 	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
@@ -55,7 +66,7 @@ $(COMPAT_STAMP): pyproject.toml Makefile
 	touch $(COMPAT_STAMP)
 
 test-compat: $(COMPAT_STAMP)
-	HF_HUB_OFFLINE=1 $(COMPAT_PY) -m pytest -q -m "not cuda and not hpu"
+	HF_HUB_OFFLINE=1 $(COMPAT_PY) -m pytest $(PYTEST_ARGS) -m "not cuda and not hpu"
 
 # On a GPU machine, with its own torch/transformers/triton: no venv, run from the source tree.
 test-cuda:

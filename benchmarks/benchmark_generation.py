@@ -2,11 +2,13 @@
 """Decode/prefill benchmark: polyfuse against transformers on the same random-weight shapes, in one process.
 
     python benchmarks/benchmark_generation.py --shapes llama3-8b --batch_sizes 1,16,64 --peers eager,static_compile
-    python benchmarks/benchmark_generation.py --shapes tiny --batch_sizes 1 --new_tokens 16 --peers eager   # CPU smoke
+    python benchmarks/benchmark_generation.py   # on a CPU: the tiny shape (the defaults above are GPU-sized)
     torchrun --nproc-per-node 2 benchmarks/benchmark_generation.py --tp 2 --shapes llama3-8b,llama2-70b \
         --batch_sizes 1,16 --peer_batch_sizes 1 --load --checkpoint_dir /tmp/ckpt   # tensor parallel, rank 0 logs
 
-Every number is measured in this run: the copy bandwidth that sets the ceiling, polyfuse, and the peers.
+Every number is measured in this run: the copy bandwidth that sets the ceiling, polyfuse, and the peers. The shapes
+asked for are checked against the device's free memory first (one error line when they cannot fit), and a table of
+the decode and prefill rows follows the JSON lines.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks.harness.measure import copy_bandwidth, time_median, weight_bytes  # noqa: E402
+from benchmarks.harness.memory_plan import check_memory, fill_defaults  # noqa: E402
 from benchmarks.harness.report import RowSink  # noqa: E402
 from benchmarks.harness.shapes import config_for  # noqa: E402
+from benchmarks.harness.summary import summary  # noqa: E402
 from polyfuse.compat import DTYPE_KW  # noqa: E402
 from polyfuse.generation.hooks import PhaseTimer  # noqa: E402
 from polyfuse.generation.kv_cache import ensure_cache  # noqa: E402
@@ -37,9 +41,13 @@ from polyfuse.ops.quant_formats import GGUF_BYTES  # noqa: E402
 from polyfuse.quant.quantize import quantize_lm_head_  # noqa: E402
 
 
+ROWS: list = []  # every row logged, for the table at the end
+
+
 def log(row: dict, out) -> None:
     if os.environ.get("RANK", "0") != "0":  # under torchrun (--tp) rank 0 logs for every rank
         return
+    ROWS.append(row)
     print(json.dumps(row), flush=True)
     if out:
         out.write(row)
@@ -258,15 +266,17 @@ def bench_load(model, device, out):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="llama3-8b,llama2-7b,llama2-13b")
-    p.add_argument("--batch_sizes", default="1,16,64")
-    p.add_argument("--prompt_len", type=int, default=128)
-    p.add_argument("--new_tokens", type=int, default=256)
+    # Defaults None: benchmarks/harness/memory_plan.py fills them per device (GPU: llama3-8b,... ; CPU: tiny).
+    p.add_argument("--shapes", default=None, help="comma list (GPU default llama3-8b,llama2-7b,llama2-13b; CPU: tiny)")
+    p.add_argument("--batch_sizes", default=None, help="comma list (GPU default 1,16,64; CPU: 1,2)")
+    p.add_argument("--prompt_len", type=int, default=None, help="(GPU default 128; CPU: 32)")
+    p.add_argument("--new_tokens", type=int, default=None, help="(GPU default 256; CPU: 16)")
     p.add_argument(
-        "--peers", default="eager,static_compile", help="transformers modes to run beside polyfuse ('' for none)"
-    )
-    p.add_argument("--peer_shapes", default="llama3-8b", help="shapes on which the peers run")
-    p.add_argument("--peer_batch_sizes", default="1,16,64")
+        "--peers", default=None, help="transformers modes to run beside polyfuse ('' for none; default "
+        "eager,static_compile; CPU: eager)"
+    )  # fmt: skip
+    p.add_argument("--peer_shapes", default=None, help="shapes on which the peers run (default llama3-8b; CPU: tiny)")
+    p.add_argument("--peer_batch_sizes", default=None, help="(GPU default 1,16,64; CPU: 1)")
     p.add_argument("--flags", default="use_flash_attention,use_cuda_graphs", help="polyfuse run flags")
     p.add_argument("--ops", default="", help="polyfuse op overrides")
     p.add_argument(
@@ -278,7 +288,7 @@ def main():
     p.add_argument(
         "--blas", default="", help="comma list of torch BLAS backends to time decode under (cublas, cublaslt)"
     )
-    p.add_argument("--prefill", default="2048", help="prefill lengths at batch 1 ('' for none)")
+    p.add_argument("--prefill", default=None, help="prefill lengths at batch 1 ('' for none; default 2048; CPU: 64)")
     p.add_argument(
         "--prefill_idle", type=float, default=0.0,
         help="also time each polyfuse prefill and transformers' SDPA prefill with the GPU idle this many seconds "
@@ -334,6 +344,7 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plan_run(args, device, dtype)
     flags = {f: True for f in args.flags.split(",") if f}
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     out = RowSink(args.output, args.results, gpu if args.tp == 1 else f"{args.tp} x {gpu}")
@@ -468,6 +479,25 @@ def main():
             torch.cuda.empty_cache()
     if out:
         out.close()
+    print_summary()
+
+
+def plan_run(args, device, dtype) -> None:
+    """The device's defaults for the options not given, then the memory check (not for --tp: each rank holds a
+    shard, checked by its own build): one warning or one error line."""
+    note = fill_defaults(args, device)
+    if note:
+        print(f"benchmark_generation.py: {note}", file=sys.stderr)
+    error = None if args.tp > 1 else check_memory(args, device, dtype)
+    if error:
+        print(f"benchmark_generation.py: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def print_summary() -> None:
+    text = summary(ROWS)
+    if text:
+        print("\n" + text, flush=True)
 
 
 # -- tensor parallelism (--tp N under torchrun; docs/distributed.md) ---------------------------------------------

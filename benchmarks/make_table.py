@@ -405,6 +405,43 @@ def perplexity_table(rows) -> list[str]:
     return table(header, lines)
 
 
+# ---- speculative decoding
+
+NOT_YET = "Not measured yet (the GPU command is in docs/speculative.md)."
+
+
+def speculative_table(rows) -> list[str]:
+    """benchmarks/benchmark_speculative.py: the verify step's cost, the forced-acceptance replays, prompt lookup."""
+    verify = latest([r for r in rows if r["what"] == "spec_verify"],
+                    lambda r: (gpu(r), r["shape"], r["dtype"], r["k"], r["context"], r["hidden_states"]))  # fmt: skip
+    lines = [[SHAPE_NAMES.get(r["shape"], r["shape"]), r["dtype"], r["k"], r["context"],
+              "yes" if r["hidden_states"] else "no", num(r["decode_ms"], 3), num(r["verify_ms"], 3),
+              f"**{num(r['cost'], 2)}x**", gpu(r), r["date"]] for r in verify.values()]  # fmt: skip
+    out = ["Verify step (k drafted tokens + the pending one in one forward) against one decode step:", ""]
+    out += table(["model", "dtype", "k", "KV length", "EAGLE hidden states", "decode ms", "verify ms",
+                  "verify / decode", "device", "date"], lines) if lines else [NOT_YET, ""]  # fmt: skip
+    replay = latest([r for r in rows if r["what"] == "spec_replay"],
+                    lambda r: (gpu(r), r["shape"], r["dtype"], r["method"], r.get("draft_shape"), r["k"],
+                               r["forced_tau"]))  # fmt: skip
+    lines = [[SHAPE_NAMES.get(r["shape"], r["shape"]), r["dtype"],
+              r["method"] + (f" ({SHAPE_NAMES.get(r['draft_shape'], r['draft_shape'])})" if r.get("draft_shape") else
+                             ""), r["k"], num(r["tokens_per_step"], 2), num(r["plain_ms_per_token"], 3),
+              num(r["ms_per_token"], 3), f"**{num(r['speedup'], 2)}x**", gpu(r), r["date"]]
+             for r in replay.values()]  # fmt: skip
+    out += ["Forced-acceptance replay (random weights; every step runs as a real one, the acceptance is imposed):", ""]
+    out += table(["model", "dtype", "drafter", "k", "tokens per step", "plain ms a token", "speculative ms a token",
+                  "speedup", "device", "date"], lines) if lines else [NOT_YET, ""]  # fmt: skip
+    lookup = latest([r for r in rows if r["what"] == "spec_lookup"],
+                    lambda r: (gpu(r), r["model"], r["dtype"], r["task"], r["k"]))  # fmt: skip
+    lines = [[r["model"], r["task"], r["k"], r["prompt_len"], r["new_tokens"], num(r["acceptance"], 2),
+              num(r["tokens_per_step"], 2), num(r["plain_e2e_s"], 3), num(r["e2e_s"], 3), f"**{num(r['speedup'], 2)}x**",
+              gpu(r), r["date"]] for r in lookup.values()]  # fmt: skip
+    out += ["Prompt lookup on the built-in model's real weights, greedy (the output checked equal to plain decoding):",
+            ""]  # fmt: skip
+    return out + table(["model", "task", "k", "prompt tokens", "new tokens", "acceptance", "tokens per step",
+                        "plain s", "prompt lookup s", "speedup", "device", "date"], lines)  # fmt: skip
+
+
 # ---- the page
 
 INTRO = """\
@@ -453,6 +490,8 @@ SECTIONS = [
     ("Longest training sequence", "At batch 1, doubling until out of memory.", "longest"),
     ("LoRA", "PEFT LoRA on all seven projections, alpha 32, dropout 0.05, no checkpointing.", "lora"),
     ("FSDP2, 2 GPUs", "Both Trainers with the same FSDP2 settings, gradient checkpointing, fused AdamW.", "fsdp"),
+    ("Speculative decoding, batch 1", "benchmarks/benchmark_speculative.py (docs/speculative.md): speedup = plain "
+     "ms a token / speculative ms a token, decode phase; prompt lookup's is end to end.", "speculative"),
     ("Perplexity of the built-in model", "benchmarks/evaluate_perplexity.py; vs float: against the first entry "
      "(the float model) of the same run; standard error from the per-token losses; samples: jittered input "
      "embeddings (docs/quantization.md, \"Quality\").", "perplexity"),
@@ -468,6 +507,7 @@ def section_lines(kind, rows) -> list[str]:
         "linear": lambda: linear_table(rows),
         "training": lambda: training_table(rows), "longest": lambda: longest_seq_table(rows),
         "lora": lambda: lora_table(rows), "fsdp": lambda: fsdp_table(rows), "perplexity": lambda: perplexity_table(rows),
+        "speculative": lambda: speculative_table(rows),
     }  # fmt: skip
     return makers[kind]()
 

@@ -10,13 +10,23 @@ All of transformers' TrainingArguments work, plus polyfuse's: --use_flash_attent
 (default on; pass False to turn off), --polyfuse_ops, --use_habana, --use_lazy_mode, --gaudi_config_name.
 The saved folder loads with transformers.AutoModelForCausalLM.from_pretrained.
 
-LoRA through PEFT (pip install 'polyfuse[lora]'), with either --model_impl, as optimum-habana's run_lora_clm.py:
+LoRA through PEFT (pip install peft, or pip install -e '.[lora]' in a clone), with either --model_impl, as
+optimum-habana's run_lora_clm.py:
 
     python examples/run_clm.py --lora_rank 8 --lora_alpha 16 --lora_dropout 0.05 \
         --lora_target_modules q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --output_dir out ...
 
 The output folder then holds PEFT's adapter (adapter_config.json, adapter_model.safetensors), which
-peft.PeftModel.from_pretrained loads onto the base model (transformers' or polyfuse's).
+peft.PeftModel.from_pretrained loads onto the base model (transformers' or polyfuse's). Its base_model_name_or_path
+is the folder trained from, or for the built-in model the Hub model its GGUF was made from
+(HuggingFaceTB/SmolLM2-135M-Instruct), so that peft.AutoPeftModelForCausalLM.from_pretrained(out) loads it. For
+another GGUF it is the .gguf file: load that base with transformers' AutoModelForCausalLM.from_pretrained(folder,
+gguf_file=name), then the adapter onto it with peft.PeftModel.from_pretrained(base, out).
+
+The output folder, as transformers' examples keep it: one that holds files is refused unless --overwrite_output_dir
+(an earlier run's checkpoints and weights are removed first) or --resume_from_checkpoint (true: its last
+checkpoint-N). Ctrl-C stops at the end of the step under way and saves a checkpoint of the finished steps (exit code
+130); resume with --resume_from_checkpoint true.
 
 Several devices, FSDP2 through the Trainer's arguments (docs/training.md, "FSDP2"; rank 0 prints, one error line):
 
@@ -28,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +53,14 @@ try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 13
     from polyfuse.distributed.launch import distributed_entry
     from polyfuse.training import PolyfuseTrainer, PolyfuseTrainingArguments
     from polyfuse.training.fsdp import agree_ranks
+    from polyfuse.training.run_dir import (
+        RunDirError,
+        StopOnInterrupt,
+        after_interrupt,
+        check_output_dir,
+        clear_earlier_run,
+        resume_path,
+    )
 except KeyboardInterrupt:
     print("run_clm.py: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
@@ -83,18 +101,33 @@ class ScriptArguments:
     )
 
 
+@dataclass
+class OutputArguments:
+    """transformers 5 dropped TrainingArguments' overwrite_output_dir; its examples' meaning is kept here."""
+
+    overwrite_output_dir: bool = field(
+        default=False, metadata={"help": "Train into a non-empty --output_dir, removing an earlier run's files."}
+    )
+
+
+# transformers 4.x TrainingArguments has the flag itself; 5.x gets it from OutputArguments.
+HAS_OVERWRITE = any(f.name == "overwrite_output_dir" for f in fields(PolyfuseTrainingArguments))
+
+
 def _fail(msg: str) -> None:
     print(f"{PROG}: error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def parse_args(argv=None):
-    parser = HfArgumentParser((ScriptArguments, PolyfuseTrainingArguments), prog=PROG)
+    classes = (ScriptArguments, PolyfuseTrainingArguments) + (() if HAS_OVERWRITE else (OutputArguments,))
+    parser = HfArgumentParser(classes, prog=PROG)
     parser.error = _fail  # one line, exit code 2 (argparse prints the usage too)
     try:
-        script, targs = parser.parse_args_into_dataclasses(args=argv)
+        script, targs, *extra = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    script.overwrite_output_dir = extra[0].overwrite_output_dir if extra else targs.overwrite_output_dir
     if script.torch_dtype not in DTYPES:
         _fail(f"--torch_dtype must be one of {', '.join(DTYPES)}, got {script.torch_dtype!r}")
     if script.model_impl not in ("transformers", "polyfuse"):
@@ -109,9 +142,15 @@ def parse_args(argv=None):
         _fail(f"--num_train_epochs must be > 0 when --max_steps is not set, got {targs.num_train_epochs}")
     if not os.path.isfile(script.train_file):
         _fail(f"--train_file {script.train_file!r} does not exist")
-    if script.model_name_or_path is not None and not os.path.isdir(script.model_name_or_path):
-        _fail(f"--model_name_or_path {script.model_name_or_path!r} is not a local folder (no hub downloads)")
+    path = script.model_name_or_path
+    if path is not None and not os.path.isdir(path) and not (path.endswith(".gguf") and os.path.isfile(path)):
+        _fail(f"--model_name_or_path {path!r} is not a local folder or .gguf file (no hub downloads)")
     _check_lora(script)
+    try:
+        targs.resume_from_checkpoint = resume_path(targs.resume_from_checkpoint, targs.output_dir)
+        check_output_dir(targs.output_dir, script.overwrite_output_dir, targs.resume_from_checkpoint is not None)
+    except RunDirError as e:
+        _fail(str(e))
     return script, targs
 
 
@@ -134,7 +173,7 @@ def _check_lora(script: ScriptArguments) -> None:
     try:
         import peft  # noqa: F401
     except ImportError:
-        _fail("--lora_rank needs peft: pip install 'polyfuse[lora]' (or pip install peft)")
+        _fail("--lora_rank needs peft: pip install peft (or pip install -e '.[lora]' in a polyfuse clone)")
 
 
 def add_lora(model, script: ScriptArguments, targs: PolyfuseTrainingArguments):
@@ -154,6 +193,7 @@ def add_lora(model, script: ScriptArguments, targs: PolyfuseTrainingArguments):
     # this): --seed makes it the same on every run and every rank; FSDP2 shards each rank's own copy unsynchronized,
     # so ranks drawing different adapters would train a mix of them.
     set_seed(targs.seed)
+    model.name_or_path = checkpoint_of(script)[2]  # adapter_config.json's base_model_name_or_path (PEFT reads it)
     model = get_peft_model(model, config)
     model.print_trainable_parameters()
     return model
@@ -177,19 +217,39 @@ def _parse_overrides(text: str) -> dict:
     return out
 
 
-def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArguments):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from polyfuse.compat import DTYPE_KW  # dtype= from transformers 4.56 on, torch_dtype= before
+def checkpoint_of(script: ScriptArguments) -> tuple:
+    """(folder, GGUF file or None, name to record as the base model): the built-in model (recorded as the Hub model
+    its GGUF was made from, which peft's AutoPeftModelForCausalLM can load), a folder (a folder holding exactly
+    one .gguf and no config.json is that GGUF) or a .gguf file."""
+    from polyfuse.loader.load import checkpoint_source
 
     path, gguf = script.model_name_or_path, script.gguf_file
     if path is None:
-        from polyfuse.models.builtin import builtin_model
+        from polyfuse.models.builtin import BUILTIN_HUB_ID, builtin_model
 
         try:
             path, gguf = builtin_model()
         except FileNotFoundError as e:
             _fail(str(e))
+        return path, gguf, BUILTIN_HUB_ID
+    path, gguf = checkpoint_source(path, gguf)
+    from polyfuse.models.builtin import BUILTIN_HUB_ID, builtin_model
+
+    with contextlib.suppress(FileNotFoundError):
+        if gguf is not None and (os.path.realpath(path), gguf) == (
+            os.path.realpath(builtin_model()[0]),
+            builtin_model()[1],
+        ):
+            return path, gguf, BUILTIN_HUB_ID  # the built-in model given by its path
+    return path, gguf, os.path.abspath(os.path.join(path, gguf) if gguf else path)
+
+
+def load_model_and_tokenizer(script: ScriptArguments, targs: PolyfuseTrainingArguments):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from polyfuse.compat import DTYPE_KW  # dtype= from transformers 4.56 on, torch_dtype= before
+
+    path, gguf, _ = checkpoint_of(script)
     kw = {"gguf_file": gguf} if gguf else {}
     tokenizer = AutoTokenizer.from_pretrained(script.tokenizer_name or path, **({} if script.tokenizer_name else kw))
     dtype = DTYPES[script.torch_dtype]
@@ -260,12 +320,37 @@ def build_dataset(tokenizer, train_file: str, block_size: int) -> list:
 @distributed_entry(tensor_parallel=False)  # under torchrun: rank 0 speaks, every rank exits promptly on an error
 def main(argv=None) -> int:
     script, targs = parse_args(argv)
+    created = not os.path.exists(targs.output_dir)
     try:
         return train(script, targs)
     except (ValueError, OSError) as e:  # bad checkpoints and arguments found late: one line, no traceback
         from polyfuse.core.errors import one_line
 
+        after_interrupt(targs.output_dir, created)  # no empty folder left by a run that failed
         _fail(one_line(e) or type(e).__name__)
+    except KeyboardInterrupt:
+        last = after_interrupt(targs.output_dir, created)
+        kept = f"{last} is the last complete checkpoint" if last else "nothing saved"
+        print(f"{PROG}: interrupted: {kept}", file=sys.stderr)
+        return 130
+
+
+def run_info(script, targs) -> dict:
+    """What train_results.json says about the run besides its metrics: the model, device, flags and versions."""
+    import platform
+
+    import transformers
+
+    import polyfuse
+
+    path, gguf, name = checkpoint_of(script)
+    return {
+        "model_name_or_path": name, "model_path": path, "gguf_file": gguf, "model_impl": script.model_impl,
+        "lora_rank": script.lora_rank, "device": str(targs.device), "polyfuse_flags": targs.polyfuse_flags(),
+        "polyfuse_ops": targs.polyfuse_overrides(), "torch_dtype": script.torch_dtype, "versions": {
+            "polyfuse": polyfuse.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()},
+    }  # fmt: skip
 
 
 def train(script, targs) -> int:
@@ -280,17 +365,32 @@ def train(script, targs) -> int:
     if script.lora_rank > 0:
         model = add_lora(model, script, targs)
     train_dataset = build_dataset(tokenizer, script.train_file, script.block_size)
+    if script.overwrite_output_dir and targs.resume_from_checkpoint is None and targs.process_index == 0:
+        note = clear_earlier_run(targs.output_dir)
+        if note:
+            print(f"{PROG}: {note}", file=sys.stderr)
+    stop = StopOnInterrupt() if targs.world_size == 1 else None  # torchrun: ranks could stop at different steps
     trainer = PolyfuseTrainer(
         model=model, args=targs, train_dataset=train_dataset, data_collator=default_data_collator,
         processing_class=tokenizer,  # every checkpoint-N folder gets the tokenizer too
+        callbacks=[stop] if stop else None,
     )  # fmt: skip
-    result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    try:
+        result = trainer.train(resume_from_checkpoint=targs.resume_from_checkpoint)
+    finally:
+        if stop is not None:
+            stop.on_train_end(targs, None, None)  # the previous Ctrl-C handler back, also after an error
+    if stop is not None and stop.interrupted and trainer.state.global_step < trainer.state.max_steps:
+        last = os.path.join(targs.output_dir, f"checkpoint-{trainer.state.global_step}")
+        print(f"{PROG}: interrupted at step {trainer.state.global_step} of {trainer.state.max_steps}: saved {last} "
+              "(continue with --resume_from_checkpoint true)", file=sys.stderr)  # fmt: skip
+        return 130
     trainer.save_model(targs.output_dir)
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(targs.output_dir)
         metrics = result.metrics
         trainer.log_metrics("train", metrics)
-        trainer.save_metrics("train", metrics)
+        trainer.save_metrics("train", {**metrics, **run_info(script, targs)})
         trainer.save_state()
         print(f"saved to {targs.output_dir}")
     return 0

@@ -17,6 +17,8 @@ _LAZY = {
     "PolyfuseTrainingArguments": "polyfuse.training",
     "resolve": "polyfuse.core",
     "SelectionContext": "polyfuse.core",
+    "load_tokenizer": "polyfuse.checkpoint.tokenizer",
+    "builtin_model": "polyfuse.models.builtin",
 }
 
 __all__ = list(_LAZY)
@@ -28,3 +30,8 @@ def __getattr__(name):
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'polyfuse' has no attribute {name!r}")
+
+
+def __dir__():
+    # The lazy names too, so that dir(polyfuse) and tab completion show the public API before first use.
+    return sorted(set(globals()) | set(_LAZY))

@@ -162,6 +162,7 @@ CASES = list(fsdp_worker.CASES)
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_each_decoder_layer_is_an_fsdp2_unit_and_the_fused_loss_runs(fsdp_results, single_results, case):
     _, ranks = fsdp_results
@@ -176,6 +177,8 @@ def test_each_decoder_layer_is_an_fsdp2_unit_and_the_fused_loss_runs(fsdp_result
     assert "linear_cross_entropy" in r0["report"]
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp2_losses_equal_one_process(fsdp_results, single_results, case):
     _, ranks = fsdp_results
@@ -187,6 +190,7 @@ def test_fsdp2_losses_equal_one_process(fsdp_results, single_results, case):
     assert ranks[1][case]["losses"] == losses  # every rank logs the same (gathered) loss
 
 
+@pytest.mark.slow
 def test_ranks_starting_from_different_weights_train_rank_0s(fsdp_results):
     """FSDP2 shards each rank's own copy of the model: ranks whose trainable weights differ (the unsynced case: seed =
     rank, as a PEFT adapter drawn without a common seed) have them replaced by rank 0's before sharding: every tensor
@@ -199,6 +203,7 @@ def test_ranks_starting_from_different_weights_train_rank_0s(fsdp_results):
         assert rank["polyfuse"]["synced"] == [0] and rank["transformers"]["synced"] == [0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_resume_from_checkpoint_continues_the_run(fsdp_results, case):
     out, ranks = fsdp_results
@@ -235,6 +240,7 @@ def _greedy(folder, loader: str, prompt: torch.Tensor) -> torch.Tensor:
         return model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_consolidated_checkpoint_loads_in_transformers_and_polyfuse(fsdp_results, single_results, case):
     out, _ = fsdp_results

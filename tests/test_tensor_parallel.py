@@ -187,6 +187,7 @@ CASES = ["gqa_split", "gqa_replicated", "qwen2_uneven", "builtin"]
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_matches_tp1(tp_results, case):
     if case not in tp_results[0]["cases"]:
@@ -229,6 +230,8 @@ def test_tp2_matches_tp1_on_gpu(tmp_path):
 QUANT_CASES = ["ckpt_int4", "ckpt_int8", "ckpt_fp8", "ckpt_fp8_block", "load_int4", "gguf", "gguf_k"]
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("case", QUANT_CASES)
 def test_quantized_tp2_matches_tp1(tp_results, case):
     """Quantized checkpoints (int4, int8, fp8, fp8_block, each with its LM head packed) saved at TP=1 and loaded at
@@ -255,6 +258,7 @@ def test_quantized_tp2_matches_tp1(tp_results, case):
 LAYOUT_CASES = [f"{n}_{q}" for n in ("gptq_channel", "ct_block", "tied_head") for q in ("kept", "none")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LAYOUT_CASES)
 def test_checkpoint_layouts_tp2_match_tp1(tp_results, case):
     """AutoGPTQ int4 with one group over K, compressed-tensors fp8 with 128 x 128 blocks, and a packed head under a
@@ -267,12 +271,14 @@ def test_checkpoint_layouts_tp2_match_tp1(tp_results, case):
     assert r0["formats"] == r1["formats"] == (kept if case.endswith("kept") else [])
 
 
+@pytest.mark.slow
 def test_a_float_weight_of_the_wrong_shape_fails_every_rank(tp_results):
     """Quantizing at load reads only the rank's slice; the whole weight's shape is still checked first."""
     for res in tp_results:
         assert res["cases"]["shape_error"]["error"].endswith("has shape (256, 512), expected (256, 384)")
 
 
+@pytest.mark.slow
 def test_quantized_at_load_per_rank_scales(tp_results):
     """int8 quantized while loading at TP=2: a row-parallel projection's per-channel scales come from the rank's
     own columns, so the model is not TP=1's, but about as close to the float model (and to TP=1's int8, closer than
@@ -287,6 +293,7 @@ def test_quantized_at_load_per_rank_scales(tp_results):
     assert r0["gptq_tp2_vs_float_max_abs"] <= 2 * r0["tp1_vs_float_max_abs"], r0
 
 
+@pytest.mark.slow
 def test_uneven_halves_quantize_where_they_pack(tp_results):
     """int4 at load on 65 + 64 MLP columns: rank 0's gate/up and down cannot pack (8 rows a word) and stay float,
     rank 1's are int4; the ranks agree on the model (the config's digest leaves out the per-rank formats) and decode
@@ -298,6 +305,7 @@ def test_uneven_halves_quantize_where_they_pack(tp_results):
     assert r0["forward_max_abs"] <= 0.25 * r0["logit_scale"], r0
 
 
+@pytest.mark.slow
 def test_a_packed_shard_that_splits_a_group_fails_every_rank(tp_results):
     for res in tp_results:
         error = res["cases"]["split_error"]["error"]
@@ -306,6 +314,7 @@ def test_a_packed_shard_that_splits_a_group_fails_every_rank(tp_results):
         assert "input columns 0..192 (of 384)" in error and "--quant none" in error
 
 
+@pytest.mark.slow
 def test_tp2_shards(tp_results):
     mesh = tp_results[0]["mesh"]  # torch 2.13: DeviceMesh((tp=2), ...); torch 2.7: DeviceMesh('cpu', [0, 1], ...)
     assert tp_results[0]["backend"] == "gloo" and ("tp=2" in mesh or "[0, 1]" in mesh), mesh
@@ -324,6 +333,7 @@ def test_tp2_shards(tp_results):
         assert tp_results[0]["cases"]["builtin"]["all_reduces_per_forward"] == 61
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_every_rank(tp_results):
     for res in tp_results:
         assert res["agree_failure"] == "rank 1 of 2: shard missing"

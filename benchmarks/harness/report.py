@@ -23,6 +23,9 @@ RESULT_FILES = {
     "fsdp_step": "fsdp.jsonl",
     "perplexity": "perplexity.jsonl",
     "linear": "linear.jsonl",
+    "spec_verify": "speculative.jsonl",
+    "spec_replay": "speculative.jsonl",
+    "spec_lookup": "speculative.jsonl",
 }
 VERSIONED = ("transformers", "triton", "accelerate", "peft", "torchao", "liger-kernel")
 

@@ -101,6 +101,16 @@ SHAPES = {
         vocab_size=512,
         max_position_embeddings=2048,
     ),
+    # tiny with enough layers for EAGLE-3's three feature layers (benchmark_speculative.py's CPU smoke)
+    "tiny8": dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 
 import transformers
 from transformers import AutoTokenizer
@@ -43,6 +44,19 @@ def _gguf_special_tokens(tok, file: str) -> None:
         tok.add_bos_token = bool(add_bos)  # LlamaTokenizerFast rebuilds its post-processor
 
 
+def _save_atomically(tok, cached: str) -> None:
+    """Write the converted tokenizer beside ``cached`` and rename it into place, so a process reading the cache
+    never sees a half-written folder (two runs, or two test workers, converting at once)."""
+    tmp = f"{cached}.tmp-{os.getpid()}"
+    try:
+        tok.save_pretrained(tmp)
+        os.rename(tmp, cached)
+    except OSError:
+        pass  # read-only home, or another process renamed its copy first: convert again next time
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def load_tokenizer(path: str, gguf_file: str | None = None):
     if gguf_file is None:
         tok = AutoTokenizer.from_pretrained(path)
@@ -57,10 +71,7 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
         else:
             tok = AutoTokenizer.from_pretrained(os.path.dirname(file), gguf_file=os.path.basename(file))
             _gguf_special_tokens(tok, file)
-            try:
-                tok.save_pretrained(cached)
-            except OSError:
-                pass  # read-only home: convert again next time
+            _save_atomically(tok, cached)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

@@ -1,6 +1,14 @@
-"""run_generation.py's flags: optimum-habana's text-generation names and meanings, plus polyfuse's own."""
+"""polyfuse-generate's (examples/run_generation.py's) flags: optimum-habana's text-generation names and meanings, plus
+polyfuse's own, in groups; every option has help and shows its default. Long explanations live in README.md and
+docs/, not in --help."""
 
 import argparse
+import difflib
+import os
+import re
+import sys
+
+from polyfuse.cli.speculative_options import add_speculative_options
 
 
 class DefaultSteps(int):
@@ -9,6 +17,9 @@ class DefaultSteps(int):
 
 
 TUNE_STEPS = DefaultSteps(128)
+DTYPES = ("bfloat16", "float16", "float32")
+# The names this program is started by; anything else (python -m, pytest) is called polyfuse-generate.
+PROG_NAMES = ("polyfuse-generate", "run_generation.py")
 
 
 def _bool_or_none(value):
@@ -20,237 +31,226 @@ def _bool_or_none(value):
     raise argparse.ArgumentTypeError(f"expected true/false, got {value!r}")
 
 
+def program_name() -> str:
+    name = os.path.basename(sys.argv[0] or "")
+    return name if name in PROG_NAMES else PROG_NAMES[0]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after every option's help unless the help already says its default; wide help column."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=34)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or "%(default)" in text or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action, argparse._StoreTrueAction):  # a flag: off unless given (the description says so)
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad command lines are one ``error:`` line (an unknown flag with the closest known one), not the usage."""
+
+    def error(self, message):
+        unknown = re.match(r"unrecognized arguments: (.*)", message)
+        if unknown:
+            known = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            words = [w for w in unknown.group(1).split() if w.startswith("-")] or unknown.group(1).split()
+            hints = []
+            for word in words:
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.75)
+                hints.append(f"{word} (did you mean {close[0]}?)" if close else word)
+            message = f"unrecognized argument{'s' if len(words) > 1 else ''}: {', '.join(hints)}"
+        self.exit(2, f"error: {message}; {self.prog} --help lists the options\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="run_generation.py",
-        description="Generate text with polyfuse's Llama (optimum-habana text-generation flags).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = Parser(
+        prog=program_name(),
+        usage="%(prog)s [--model_name_or_path PATH] [--prompt TEXT ...] [options]",
+        description="Generate text with polyfuse (optimum-habana text-generation flags). Without "
+        "--model_name_or_path it runs the built-in SmolLM2-135M-Instruct, a chat model: give --use_chat_template. "
+        "Flags (options without a value) are off unless given.",
+        formatter_class=HelpFormatter,
     )
-    a = p.add_argument
+    _model_options(p)
+    _input_options(p)
+    _generation_options(p)
+    _device_options(p)
+    _quant_options(p)
+    _gaudi_options(p)
+    _output_options(p)
+    add_speculative_options(p)  # polyfuse/cli/speculative_options.py
+    return p
+
+
+def _model_options(p) -> None:
+    g = p.add_argument_group("model")
+    a = g.add_argument
+    a("--model_name_or_path", default=None, metavar="PATH",
+      help="a local folder (config.json + safetensors, or exactly one .gguf), a .gguf file, or a Hugging Face Hub id "
+      "(org/name; read from the cache when offline) (default: the built-in SmolLM2-135M-Instruct)")  # fmt: skip
+    a("--gguf_file", default=None, metavar="FILE", help="the GGUF inside --model_name_or_path, when it holds several")
+    a("--tokenizer", default=None, metavar="PATH", help="tokenizer folder, .gguf or Hub id (default: the model's)")
+    a("--token", default=None, help="Hugging Face token, for downloading a Hub id")
+    a("--trust_remote_code", action="store_true", help="accepted and ignored: polyfuse runs its own model code")
     a(
-        "--model_name_or_path",
+        "--dtype",
         default=None,
-        help="a local folder (config.json + safetensors, or exactly one .gguf), or a Hugging Face Hub id (org/name: "
-        "downloaded with huggingface_hub, or read from its cache when offline); default: the built-in "
-        "SmolLM2-135M-Instruct",
+        choices=DTYPES,
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="weights and activations (default: float32; bfloat16 with --bf16)",
     )
-    a(
-        "--gguf_file",
-        default=None,
-        help="GGUF file inside --model_name_or_path (or an absolute path); needed when the folder holds several",
-    )
-    a(
-        "--tokenizer",
-        default=None,
-        help="tokenizer folder, .gguf file or Hub id, for a checkpoint without one (save_pretrained writes none)",
-    )
-    a("--token", default=None, help="Hugging Face token for downloading a Hub id (ignored for local folders)")
-    a(
-        "--trust_remote_code",
-        action="store_true",
-        help="accepted for optimum-habana compatibility and ignored: polyfuse runs its own model code",
-    )
-    a("--device", "-d", default="auto", choices=["auto", "cpu", "cuda", "hpu"], help="auto: hpu, then cuda, then cpu")
-    a("--prompt", nargs="*", default=None, help="one or more prompts (cycled to fill --batch_size)")
+    a("--bf16", action="store_true", help="the same as --dtype bfloat16 (optimum-habana's flag)")
+
+
+def _input_options(p) -> None:
+    g = p.add_argument_group("input")
+    a = g.add_argument
+    a("--prompt", nargs="*", default=None, metavar="TEXT",
+      help="one or more prompts, run in groups of --batch_size (fewer are cycled to fill one batch) "
+      "(default: 'DeepSpeed is a machine learning framework')")  # fmt: skip
+    a("--prompt_file", default=None, metavar="FILE", help="UTF-8 text file, one prompt per line (blank lines skipped)")
+    a("--chat_file", default=None, metavar="FILE",
+      help='JSON conversation ([{"role": "user", "content": "..."}, ...]) or a list of them, each ending with the '
+      "user's turn; implies --use_chat_template")  # fmt: skip
     a("--use_chat_template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
-    a("--system_prompt", default=None, help="system message put before each prompt (implies --use_chat_template)")
     a(
-        "--chat_file",
+        "--system_prompt",
         default=None,
-        help='JSON file with a conversation ([{"role": "user", "content": "..."}, ...]) or a list of them (one per '
-        "batch row), ending with the user's turn; replaces --prompt, implies --use_chat_template",
+        metavar="TEXT",
+        help="system message before each prompt (implies --use_chat_template)",
     )
-    a("--max_new_tokens", type=int, default=100, help="tokens to generate")
-    a(
-        "--max_input_tokens",
-        type=int,
-        default=0,
-        help=">0: left-pad to this length, keeping the last tokens of longer prompts (truncated from the left, with "
-        "a warning); <=0: full prompts padded to the longest (optimum-habana truncates to 16 at 0)",
-    )
-    a("--batch_size", type=int, default=1, help="prompts per batch")
-    a("--bf16", action="store_true", help="run in bfloat16 (default float32)")
-    a(
-        "--use_kv_cache",
-        action="store_true",
-        help="decode against the static preallocated KV cache (otherwise recompute the whole sequence each token)",
-    )
+    a("--batch_size", type=int, default=1, metavar="N", help="prompts per batch")
+    a("--max_input_tokens", type=int, default=0, metavar="N",
+      help=">0: left-pad or left-truncate every prompt to this many tokens; <=0: pad to the longest")  # fmt: skip
+
+
+def _generation_options(p) -> None:
+    g = p.add_argument_group("generation")
+    a = g.add_argument
+    a("--max_new_tokens", type=int, default=100, metavar="N", help="tokens to generate")
+    a("--use_kv_cache", action="store_true", help="decode on the static KV cache (else recompute every token)")
     a("--do_sample", action="store_true", help="sample instead of greedy decoding")
-    a("--temperature", type=float, default=1.0)
-    a("--top_k", type=int, default=None)
-    a("--top_p", type=float, default=1.0)
-    a("--seed", type=int, default=27)
+    a("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature (with --do_sample)")
     a(
-        "--ignore_eos",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="keep generating past EOS (optimum-habana defaults to True for benchmarks)",
-    )
-    a("--warmup", type=int, default=3, help="warm-up iterations (graph capture / compilation happen here)")
-    a("--n_iterations", type=int, default=5, help="timed iterations")
-    g = p.add_argument_group("attention")
-    g.add_argument(
-        "--use_flash_attention",
-        action="store_true",
-        help="fused attention that never materializes L x L scores: FusedSDPA on Gaudi; on NVIDIA a Triton split-K decode kernel and SDPA flash/memory-efficient prefill; eager matmul+softmax otherwise",
-    )
-    g.add_argument("--flash_attention_recompute", action="store_true", help="Gaudi: recompute mode on the first token")
-    g.add_argument(
-        "--flash_attention_causal_mask",
-        action="store_true",
-        help="Gaudi: causal flag + valid sequence lengths on the first token",
-    )
-    g.add_argument(
-        "--flash_attention_fast_softmax",
-        nargs="?",
-        const=True,
-        default=None,
-        type=_bool_or_none,
-        help="Gaudi: fast softmax mode (default: on with --use_flash_attention on Gaudi; an explicit value wins)",
-    )
-    g.add_argument("--attn_softmax_bf16", action="store_true", help="Gaudi eager attention: softmax in bf16")
-    g = p.add_argument_group("graphs and compilation")
-    g.add_argument("--use_hpu_graphs", action="store_true", help="Gaudi: wrap the steps in HPU graphs")
-    g.add_argument("--limit_hpu_graphs", action="store_true", help="Gaudi: no HPU graph for the first token")
-    g.add_argument(
-        "--use_cuda_graphs",
-        action="store_true",
-        help="NVIDIA: capture the whole decode step once per batch size and KV-cache length, replay per token",
-    )
-    g.add_argument(
-        "--cuda_graph_prefill",
-        action="store_true",
-        help="NVIDIA, with --use_cuda_graphs: capture the prompt step too, once per batch size and prompt length "
-        "(pays when prompts share a length, e.g. with --max_input_tokens; each new length costs a capture, and the "
-        "graphs keep the largest prompt's activations reserved)",
-    )
-    g.add_argument(
-        "--torch_compile",
-        action="store_true",
-        help="torch.compile each op that runs its native reference (not module forwards; fused kernels run as they are)",
-    )
-    g.add_argument(
-        "--bucket_size",
+        "--top_k",
         type=int,
         default=None,
-        help=">0: each decode step attends the KV cache up to its position rounded up to a multiple of this (graphs "
-        "are captured per bucket); -1: no bucketing, every step attends prompt + max_new_tokens (optimum-habana's "
-        "default); default: -1 on hpu, else 128 (larger for --max_new_tokens > 4096: at most 32 buckets)",
+        metavar="K",
+        help="sample from the k most likely tokens (with --do_sample; None: all)",
     )
-    g.add_argument(
-        "--reuse_cache",
-        action="store_true",
-        help="reuse the preallocated KV cache across calls (polyfuse always does)",
-    )
-    g.add_argument(
-        "--trim_logits",
-        action="store_true",
-        help="LM head on the last position only at the first token (polyfuse always does)",
-    )
-    g = p.add_argument_group("polyfuse")
-    g.add_argument(
-        "--ops",
-        default="",
-        help="per-op overrides, e.g. '+rms_norm,-rotary,attention=sdpa_flash' (also env POLYFUSE_OPS)",
-    )
-    g.add_argument("--print_backends", action="store_true", help="print which implementation each op got and why")
-    g.add_argument(
-        "--output_dir", default=None, help="write results.json here (outputs, Stats numbers and this run's arguments)"
-    )
-    g.add_argument(
-        "--print_new_text_only",
-        action="store_true",
-        help="print (and save) only the generated text, not the prompt and chat template echoed before it",
-    )
-    g.add_argument(
-        "--log_level",
-        default="warning",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="level of polyfuse's and transformers' log messages",
-    )
-    # ---- generation features (transformers' generate options; passed by polyfuse/cli/generation_options.py) ----
-    g = p.add_argument_group("generation features (transformers' generate semantics)")
-    g.add_argument(
-        "--num_beams",
-        type=int,
-        default=1,
-        help="beam search with this many beams (beams are KV-cache rows; the decode step's graph replays, the greedy token graph is bypassed)",
-    )
-    g.add_argument(
-        "--num_return_sequences",
-        type=int,
-        default=1,
-        help="sequences per prompt: independent samples with --do_sample, or the best beams (<= --num_beams)",
-    )
-    g.add_argument(
-        "--repetition_penalty",
+    a(
+        "--top_p",
         type=float,
         default=1.0,
-        help="divide positive / multiply negative logits of ids already in the prompt or output (1.0: off)",
+        metavar="P",
+        help="nucleus sampling: the smallest set of this much probability",
     )
-    g.add_argument("--stop_strings", nargs="+", default=None, help="a row stops at the token completing one of these")
-    g.add_argument("--stop_token_ids", nargs="+", type=int, default=None, help="extra ids that end a row like EOS")
-    g.add_argument(
-        "--stream",
-        action="store_true",
-        help="print the first generation's new text as tokens arrive (rank 0, --batch_size 1; one sync per token)",
-    )
-    # ---- end of generation features ----
-    # ---- quantized weights (polyfuse/quant/quantize.py, docs/quantization.md) ----
-    g = p.add_argument_group("quantized weights")
-    g.add_argument(
-        "--quant",
+    a("--seed", type=int, default=27, metavar="N", help="random seed (sampling)")
+    a("--ignore_eos", action=argparse.BooleanOptionalAction, default=False, help="keep generating past EOS")
+    a("--num_beams", type=int, default=1, metavar="N", help="beam search with this many beams")
+    a("--num_return_sequences", type=int, default=1, metavar="N",
+      help="sequences per prompt (with --do_sample, or <= --num_beams)")  # fmt: skip
+    a("--repetition_penalty", type=float, default=1.0, metavar="X", help="transformers' repetition penalty (1.0: off)")
+    a(
+        "--stop_strings",
+        nargs="+",
         default=None,
-        choices=["fp8", "fp8_block", "int8", "int4", "gguf", "none"],
-        help="quantize a float checkpoint's projections at load: fp8 (e4m3, per-channel scales), fp8_block (1x128 "
-        "scales), int8 (per channel), int4 (AutoGPTQ layout, group 128); gguf: keep a GGUF's "
-        "Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none: dequantize everything. Default: quantized checkpoints load as stored, a GGUF stays "
-        "quantized where a kernel takes it (NVIDIA)",
+        metavar="TEXT",
+        help="a row stops at the token completing one of these",
     )
-    g.add_argument(
-        "--quant_lm_head",
-        action="store_true",
-        help="quantize the LM head too (after loading, in the format of --quant or of the checkpoint's projections; "
-        "a tied head is untied, the input embedding keeps its dtype): ~5%% faster batch-1 decode for Llama-3-8B; a "
-        "GGUF whose projections stay quantized keeps its own output.weight's blocks as stored (Q8_0 ... Q6_K)",
-    )
-    g.add_argument(
-        "--quant_calibration",
-        default=None,
-        metavar="TEXT_FILE",
-        help="with --quant int4, int8 or fp8: quantize by GPTQ instead of round to nearest, calibrated on this UTF-8 "
-        "text (windows of 512 tokens, at most 64): the float model is loaded first, then each projection is "
-        "quantized with its inputs on the text; the same layout and kernels. Use text like what the model will "
-        "serve: calibrated on another kind of text GPTQ may do no better than round to nearest "
-        "(docs/quantization.md, GPTQ)",
-    )
-    g.add_argument(
-        "--quant_tune_norms",
-        nargs="?",
+    a(
+        "--stop_token_ids",
+        nargs="+",
         type=int,
-        const=TUNE_STEPS,
         default=None,
-        metavar="STEPS",
-        help="with --quant_calibration: after quantizing, fit the RMSNorm weights (the projections stay as packed; "
-        "--quant_tune_scales fits their scales) so that the quantized model's next-token distributions on the "
-        "calibration text come back toward the float model's (KL; STEPS Adam steps of one 512-token window each, "
-        "default 128); the layout and kernels are unchanged and a save carries the tuned norms (docs/quantization.md, "
-        "Norm tuning)",
+        metavar="ID",
+        help="extra token ids that end a row like EOS",
     )
-    g.add_argument(
-        "--quant_tune_scales",
-        nargs="?",
+
+
+def _device_options(p) -> None:
+    g = p.add_argument_group("device and kernels")
+    a = g.add_argument
+    a(
+        "--device",
+        "-d",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "hpu"],
+        metavar="{auto,cpu,cuda,hpu}",
+        help="auto: hpu, then cuda, then cpu",
+    )
+    a("--use_flash_attention", action="store_true",
+      help="fused attention (Gaudi FusedSDPA; NVIDIA: Triton decode + SDPA flash prefill); else eager")  # fmt: skip
+    a("--use_cuda_graphs", action="store_true", help="NVIDIA: replay the decode step as a CUDA graph")
+    a("--cuda_graph_prefill", action="store_true", help="NVIDIA, with --use_cuda_graphs: graph the prompt step too")
+    a("--torch_compile", action="store_true", help="torch.compile the ops that run their native reference")
+    a("--bucket_size", type=int, default=None, metavar="N",
+      help=">0: decode steps attend the KV cache rounded up to this; -1: the whole cache "
+      "(default: -1 on hpu, else 128, wider past 4096 new tokens)")  # fmt: skip
+    a("--ops", default="", metavar="LIST", help="per-op overrides, e.g. '+rms_norm,-rotary,attention=sdpa_flash' "
+      "(default: none)")  # fmt: skip
+    a("--print_backends", action="store_true", help="print which implementation each op got and why")
+    # polyfuse/cli/kernel_options.py adds its options to this group's neighbours here (add_kernel_options).
+
+
+def _quant_options(p) -> None:
+    g = p.add_argument_group("quantized weights (docs/quantization.md)")
+    a = g.add_argument
+    a("--quant", default=None, choices=["fp8", "fp8_block", "int8", "int4", "gguf", "none"], metavar="FORMAT",
+      help="fp8, fp8_block, int8 or int4: quantize a float checkpoint's projections at load; gguf: keep a GGUF's "
+      "blocks; none: dequantize (default: load as stored)")  # fmt: skip
+    a("--quant_lm_head", action="store_true", help="quantize the LM head too")
+    a("--quant_calibration", default=None, metavar="TEXT_FILE",
+      help="with --quant int4/int8/fp8: GPTQ calibrated on this text (up to 32768 tokens used) instead of "
+      "round to nearest")  # fmt: skip
+    for flag, what in (
+        ("--quant_tune_norms", "the RMSNorm weights"),
+        ("--quant_tune_scales", "the projections' scales"),
+    ):
+        a(flag, nargs="?", type=int, const=TUNE_STEPS, default=None, metavar="STEPS",
+          help=f"with --quant_calibration: fit {what} toward the float model, STEPS Adam steps (128 when given "
+          "alone)")  # fmt: skip
+
+
+def _gaudi_options(p) -> None:
+    g = p.add_argument_group("Gaudi compatibility (optimum-habana flags; other devices warn and run without them)")
+    a = g.add_argument
+    a("--use_hpu_graphs", action="store_true", help="wrap the steps in HPU graphs")
+    a("--limit_hpu_graphs", action="store_true", help="no HPU graph for the first token")
+    a("--flash_attention_recompute", action="store_true", help="FusedSDPA recompute mode on the first token")
+    a("--flash_attention_causal_mask", action="store_true", help="FusedSDPA causal flag + valid sequence lengths")
+    a("--flash_attention_fast_softmax", nargs="?", const=True, default=None, type=_bool_or_none, metavar="BOOL",
+      help="FusedSDPA fast softmax (default: on with --use_flash_attention on Gaudi)")  # fmt: skip
+    a("--attn_softmax_bf16", action="store_true", help="eager attention: softmax in bf16")
+    a("--reuse_cache", action="store_true", help="accepted: polyfuse always reuses the KV cache")
+    a("--trim_logits", action="store_true", help="accepted: polyfuse always runs the first token's head on one row")
+
+
+def _output_options(p) -> None:
+    g = p.add_argument_group("output and timing")
+    a = g.add_argument
+    a(
+        "--warmup",
         type=int,
-        const=TUNE_STEPS,
-        default=None,
-        metavar="STEPS",
-        help="with --quant_calibration: fit the quantized projections' scales the same way (each scale by a factor; "
-        "the codes and int4's zero points stay as packed; default 128 steps); with --quant_tune_norms the norms and "
-        "scales together, in the STEPS given to either (two different STEPS are an error); the layout and kernels "
-        "are unchanged and a save carries the tuned scales (docs/quantization.md, Scale tuning)",
+        default=3,
+        metavar="N",
+        help="untimed runs first (graph capture and compilation happen here)",
     )
-    # ---- end of quantized weights ----
-    return p
+    a("--n_iterations", type=int, default=5, metavar="N", help="timed runs")
+    a("--output_dir", default=None, metavar="DIR",
+      help="write results.json there (results-2.json, ... when taken): outputs, Stats, model, device, flags, "
+      "versions")  # fmt: skip
+    a("--print_new_text_only", action="store_true", help="print and save only the generated text")
+    a("--stream", action="store_true", help="print the first run's text as it is generated (--batch_size 1)")
+    a("--quiet", action="store_true",
+      help="no progress bars (they show on a terminal only; the generation bar reads each token back)")  # fmt: skip
+    a("--log_level", default="warning", choices=["debug", "info", "warning", "error", "critical"], metavar="LEVEL",
+      help="debug, info, warning, error or critical: polyfuse's and transformers' log level")  # fmt: skip
 
 
 FLAG_NAMES = (

@@ -1,7 +1,11 @@
-"""``polyfuse-generate`` / examples/run_generation.py: load, warm up, time, print outputs and a Stats block."""
+"""``polyfuse-generate`` / examples/run_generation.py: load, warm up, time, print outputs and a Stats block.
+
+The inputs (cli/inputs.py), the result files (cli/results.py), the Stats (cli/stats.py) and the progress bars
+(cli/progress.py) live beside this file; here: the device, the checkpoint and its loading, and the runs."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import json
@@ -14,12 +18,25 @@ import time
 
 import torch
 
+from polyfuse.cli import results as output
 from polyfuse.cli.args import FLAG_NAMES, DefaultSteps, build_parser
+from polyfuse.cli.errors import Interrupted, UsageError
+from polyfuse.cli.inputs import (
+    DEFAULT_PROMPT,
+    check_prompts,
+    encode,
+    read_inputs,
+    read_text,
+    render_inputs,
+    row_groups,
+)
+from polyfuse.cli.progress import counter, token_bar
+from polyfuse.cli.stats import compile_note, print_report, summarize
 from polyfuse.distributed.context import world_size_from_env
 from polyfuse.distributed.launch import distributed_entry
 
 
-DEFAULT_PROMPT = "DeepSpeed is a machine learning framework"
+__all__ = ["DEFAULT_PROMPT", "UsageError", "check_prompts", "main", "read_inputs", "read_text", "render_inputs"]
 logger = logging.getLogger("polyfuse")
 # A --model_name_or_path that is no local path but looks like this is a Hugging Face Hub id (org/name).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -30,10 +47,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 BUCKET_STEP, MAX_BUCKETS = 128, 32
 # A tqdm bar shows while the weights load when the checkpoint's files are at least this big (and stderr is a tty).
 PROGRESS_MIN_BYTES = 1 << 30
-
-
-class UsageError(Exception):
-    """Bad input the user can fix; printed as one line, exit code 2."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -60,6 +73,8 @@ def validate(args) -> None:
         raise UsageError(f"--top_k must be >= 0, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if getattr(args, "bf16", False) and getattr(args, "dtype", None) not in (None, "bfloat16"):
+        raise UsageError(f"--bf16 and --dtype {args.dtype}: give one of them (--bf16 is --dtype bfloat16)")
     if getattr(args, "quant_calibration", None):
         from polyfuse.quant.gptq import GPTQ_FORMATS
 
@@ -83,6 +98,12 @@ def validate(args) -> None:
                          "tuned together, in one set of steps; give STEPS to one of them")  # fmt: skip
 
 
+def run_dtype(args) -> torch.dtype:
+    """--dtype, or --bf16 (optimum-habana's flag), else float32."""
+    name = getattr(args, "dtype", None) or ("bfloat16" if args.bf16 else "float32")
+    return getattr(torch, name)
+
+
 def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
     """--bucket_size when not given. Gaudi keeps optimum-habana's -1 (one static shape: every new KV length is a
     graph compilation there). Elsewhere each decode step attends the cache up to its own position rounded up to
@@ -91,96 +112,6 @@ def default_bucket_size(device_type: str, max_new_tokens: int) -> int:
     if device_type == "hpu":
         return -1
     return BUCKET_STEP * max(1, -(-max_new_tokens // (BUCKET_STEP * MAX_BUCKETS)))
-
-
-def read_inputs(args) -> list:
-    """The distinct inputs, each a prompt string or a message list (--chat_file), read and checked before anything
-    loads. --chat_file and --system_prompt turn --use_chat_template on."""
-    if args.chat_file is None:
-        if args.system_prompt is not None:
-            args.use_chat_template = True
-        return list(args.prompt or [DEFAULT_PROMPT])
-    where = f"--chat_file {args.chat_file}"
-    if args.prompt:
-        raise UsageError(f"{where} and --prompt: give one of them (end the conversation with the user's question)")
-    try:
-        with open(args.chat_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise UsageError(f"{where}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from None
-    except OSError as e:
-        raise UsageError(f"{where}: cannot read it ({e.strerror or e})") from None
-    if isinstance(data, dict) and "messages" in data:
-        data = data["messages"]
-    if isinstance(data, list) and data and all(isinstance(m, dict) for m in data):
-        data = [data]  # one conversation
-    shape = '[{"role": ..., "content": ...}, ...] or a list of such conversations'
-    if not isinstance(data, list) or not data or not all(isinstance(c, list) and c for c in data):
-        raise UsageError(f"{where}: expected {shape}")
-    for i, conv in enumerate(data, 1):
-        for m in conv:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise UsageError(f"{where}: conversation {i} has a message that is not {{role: str, content: str}}")
-        if conv[-1]["role"] == "assistant":
-            raise UsageError(
-                f"{where}: conversation {i} ends with an assistant message; end it with the user's turn to answer"
-            )
-    args.use_chat_template = True
-    return data
-
-
-def prepare_output_dir(args) -> None:
-    """Check --output_dir before the model loads (creating it if missing), so a bad one never costs the run."""
-    path = args.output_dir
-    if path is None:
-        return
-    where = f"--output_dir {path}"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{where}: exists and is not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"{where}: cannot create it ({e.strerror or e})") from None
-    if os.path.isdir(os.path.join(path, "results.json")):
-        raise UsageError(f"{where}: results.json there is a folder")
-    probe = os.path.join(path, f".results.json.{os.getpid()}.probe")
-    try:
-        with open(probe, "w", encoding="utf-8"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise UsageError(f"{where}: cannot write there ({e.strerror or e})") from None
-
-
-def write_results(path: str, result: dict) -> str:
-    """results.json written atomically: a temporary file in the same folder, then renamed over the old one. UTF-8,
-    non-ASCII text as is."""
-    target = os.path.join(path, "results.json")
-    tmp = os.path.join(path, f".results.json.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, ensure_ascii=False, default=str)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise UsageError(f"--output_dir {path}: writing results.json failed ({e.strerror or e})") from None
-        raise
-    return target
-
-
-def run_arguments(args) -> dict:
-    """This run's arguments for results.json (as resolved: device defaults filled in), without the token."""
-    out = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    if out.get("token"):
-        out["token"] = "<hidden>"
-    return out
 
 
 def hub_snapshot(repo_id: str, token, gguf_file=None, weights: bool = True) -> str:
@@ -220,7 +151,7 @@ def hub_snapshot(repo_id: str, token, gguf_file=None, weights: bool = True) -> s
 
 def resolve_checkpoint(args) -> tuple[str, str | None]:
     """(folder, GGUF file or None) to load: the built-in model, a local folder (a folder holding exactly one .gguf
-    and no config.json is that GGUF), or a Hub id (org/name) that is no local path."""
+    and no config.json is that GGUF), a .gguf file, or a Hub id (org/name) that is no local path."""
     from polyfuse.models.builtin import builtin_model
 
     path, gguf = args.model_name_or_path, args.gguf_file
@@ -239,6 +170,8 @@ def resolve_checkpoint(args) -> tuple[str, str | None]:
         return os.path.dirname(os.path.abspath(gguf)), gguf
     if hub:
         return hub_snapshot(path, args.token, gguf), gguf
+    if gguf is None and os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if gguf is None and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) == 1:
@@ -262,17 +195,23 @@ def _stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
+def bars_on(args) -> bool:
+    """Progress bars: on a terminal, unless --quiet."""
+    return not getattr(args, "quiet", False) and _stderr_is_tty()
+
+
 @contextlib.contextmanager
-def load_progress(nbytes: int, load_fn):
+def load_progress(nbytes: int, load_fn, quiet: bool = False):
     """Keyword arguments for ``load_fn`` (the model's from_pretrained): ``progress``, a callback drawing a tqdm bar
-    (when tqdm is installed), when the checkpoint's files are PROGRESS_MIN_BYTES or more, stderr is a terminal and
-    the loader takes the hook (``progress(nbytes, total_bytes)``, called as each tensor is copied); else nothing."""
+    (when tqdm is installed), when the checkpoint's files are PROGRESS_MIN_BYTES or more, stderr is a terminal (and
+    no --quiet) and the loader takes the hook (``progress(nbytes, total_bytes)``, called as each tensor is copied);
+    else nothing."""
     try:
         from tqdm.auto import tqdm
     except ImportError:
         tqdm = None
     hook = "progress" in inspect.signature(load_fn).parameters
-    if tqdm is None or not hook or nbytes < PROGRESS_MIN_BYTES or not _stderr_is_tty():
+    if tqdm is None or not hook or nbytes < PROGRESS_MIN_BYTES or quiet or not _stderr_is_tty():
         yield {}
         return
     bar, lock = None, threading.Lock()
@@ -321,11 +260,20 @@ def load_cli_tokenizer(args, path: str, gguf: str | None):
     return tokenizer
 
 
+def draft_checkpoint(args, path: str):
+    """--assistant_model PATH as --model_name_or_path is read: (folder, GGUF file or None, its tokenizer or None)."""
+    where = argparse.Namespace(**{**vars(args), "model_name_or_path": path, "gguf_file": None, "tokenizer": None})
+    folder, gguf = resolve_checkpoint(where)
+    has_tokenizer = gguf is not None or any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+    return folder, gguf, load_cli_tokenizer(where, folder, gguf) if has_tokenizer else None
+
+
 def load(args, device, flags):
     from polyfuse.models import AutoModelForCausalLM
 
     path, gguf = resolve_checkpoint(args)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    args._checkpoint = (path, gguf)  # what was loaded, for results.json
+    dtype = run_dtype(args)
     calibration = getattr(args, "quant_calibration", None)
     tokenizer = windows = None
     if calibration:  # everything about the calibration is checked before the (float) model loads
@@ -336,16 +284,18 @@ def load(args, device, flags):
     steps = tune_steps(args) if calibration else None
     tune = steps is not None  # the head is packed after it
     what = tuple(getattr(args, f, None) is not None for f in ("quant_tune_norms", "quant_tune_scales"))
-    with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained) as progress:
+    quiet = getattr(args, "quiet", False)
+    with load_progress(checkpoint_bytes(path, gguf), AutoModelForCausalLM.from_pretrained, quiet) as progress:
         model = AutoModelForCausalLM.from_pretrained(
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
             quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False) and not tune), **progress,
         )  # fmt: skip
     if calibration:
+        warn_few_calibration_tokens(model, windows, calibration)
         targets = float_targets(model, windows, tune_flag(*what)) if tune else None  # before the float weights go
-        gptq_quantize(model, args.quant, windows)
+        gptq_quantize(model, args.quant, windows, bars_on(args))
         if tune:
-            tune_norms(model, windows, targets, steps, *what)
+            tune_norms(model, windows, targets, steps, *what, bars=bars_on(args))
     if getattr(args, "quant_lm_head", False):
         from polyfuse.quant.quantize import LOAD_TIME_FORMATS, quantize_lm_head_
 
@@ -368,21 +318,6 @@ def refuse_quantized_checkpoint(path: str, gguf) -> None:
             raise UsageError(f"--quant_calibration: {path} is already quantized; GPTQ needs float weights")
 
 
-def read_text(path: str, flag: str) -> str:
-    """A UTF-8 text file's contents, or one UsageError line naming ``flag`` and what is wrong with the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise UsageError(f"{flag} {path}: no such file") from None
-    except IsADirectoryError:
-        raise UsageError(f"{flag} {path}: a folder, not a text file") from None
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{flag} {path}: not UTF-8 text ({e.reason})") from None
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
-
-
 def calibration_windows(where: str, tokenizer) -> list:
     """--quant_calibration's token windows (quant/gptq.calibration_windows: 512 tokens, at most 64), read before the
     model is loaded: a bad file or an empty text fails fast."""
@@ -395,12 +330,31 @@ def calibration_windows(where: str, tokenizer) -> list:
     return windows
 
 
-def gptq_quantize(model, fmt: str, windows: list) -> None:
-    """quantize_model_ with GPTQ; a Hessian that cannot be factored or memory that runs out is one error line."""
+def warn_few_calibration_tokens(model, windows: list, where: str) -> None:
+    """One warning when the calibration text has fewer tokens than the widest projection has inputs: each
+    projection's input Hessian (K x K, a sum over the tokens) is then rank-deficient, and GPTQ fits the calibration
+    tokens at the cost of other text (the built-in model on 3 KB of text answered worse than round to nearest)."""
+    from polyfuse.quant.gptq import CALIBRATION_WINDOW, CALIBRATION_WINDOWS
+
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", 0) * (getattr(cfg, "head_dim", None) or 0)
+    need = max(cfg.hidden_size, getattr(cfg, "intermediate_size", 0) or 0, heads)
+    tokens = sum(int(w.numel()) for w in windows)
+    if tokens < need:
+        print(f"warning: --quant_calibration {where}: {tokens} tokens, fewer than the {need} inputs of the model's "
+              "widest projection: GPTQ's input statistics are rank-deficient and its answers may be worse than round "
+              f"to nearest; give at least {need} tokens of text like what the model will serve (up to "
+              f"{CALIBRATION_WINDOW * CALIBRATION_WINDOWS} are used)", file=sys.stderr)  # fmt: skip
+
+
+def gptq_quantize(model, fmt: str, windows: list, bars: bool = False) -> None:
+    """quantize_model_ with GPTQ (a bar over the decoder layers on a terminal); a Hessian that cannot be factored
+    or memory that runs out is one error line."""
     from polyfuse.quant.quantize import quantize_model_
 
+    bar = counter(bars, f"GPTQ {fmt}", "layer")
     try:
-        quantize_model_(model, fmt, windows)
+        quantize_model_(model, fmt, windows, progress=bar)
     except torch.linalg.LinAlgError as e:
         raise UsageError(f"--quant_calibration: GPTQ could not factor a projection's input Hessian ({e}); the "
                          "calibration text's activations may hold inf/NaN (try without --bf16)") from None  # fmt: skip
@@ -408,6 +362,9 @@ def gptq_quantize(model, fmt: str, windows: list) -> None:
         raise UsageError("--quant_calibration: out of memory during GPTQ: one decoder layer's K x K float32 input "
                          "Hessians are held at once beside the float model (Llama-3-8B: about 1 GB; 70B: about 4 "
                          "GB)") from None  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def tune_steps(args):
@@ -436,19 +393,27 @@ def float_targets(model, windows: list, flag: str = "--quant_tune_norms") -> lis
                          ) from None  # fmt: skip
 
 
-def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False) -> None:
-    """--quant_tune_norms / --quant_tune_scales: the quantized model's norms and / or scales fitted to ``targets``;
-    what moved and the KL before and after on stderr (when nothing was kept, tune_norms_'s warning alone)."""
-    from polyfuse.quant.tuning import tune_norms_, tuned_norm_count, tuned_scale_count
+def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = True, scales: bool = False,
+               bars: bool = False) -> None:  # fmt: skip
+    """--quant_tune_norms / --quant_tune_scales: the quantized model's norms and / or scales fitted to ``targets``
+    (a bar over the steps on a terminal, moved after each pass over the windows); what moved and the KL before and
+    after on stderr (when nothing was kept, tune_norms_'s warning alone)."""
+    from polyfuse.quant.tuning import split_windows, tune_norms_, tuned_norm_count, tuned_scale_count
 
     flag = tune_flag(norms, scales)
+    bar = counter(bars, "Tuning", "step")
+    per_pass = len(split_windows(len(windows))[0])
+    log = (lambda passes, *_: bar(min(passes * per_pass, steps), steps)) if bar is not None else None
     try:
-        kl = tune_norms_(model, windows, targets, steps, norms=norms, scales=scales)
+        kl = tune_norms_(model, windows, targets, steps, norms=norms, scales=scales, log=log)
     except ValueError as e:
         raise UsageError(f"{flag}: {e}") from None
     except torch.OutOfMemoryError:
         raise UsageError(f"{flag}: out of memory in the backward through the quantized model (one window of 512 "
                          "tokens, one decoder layer's dequantized weights)") from None  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
     if not kl["tuned"]:
         return  # tune_norms_'s one warning line said that no pass lowered the KL and that nothing moved
     counts = ((tuned_norm_count(model), "norm weights", norms), (tuned_scale_count(model), "scales", scales))
@@ -458,95 +423,200 @@ def tune_norms(model, windows: list, targets: list, steps: int, norms: bool = Tr
           f"{kl['after']:.4f} per token", file=sys.stderr)  # fmt: skip
 
 
-def render_inputs(args, tokenizer, inputs: list) -> list[str]:
-    """Each distinct input as the text that is tokenized: the prompt, or its chat template rendering."""
-    if not args.use_chat_template:
-        return list(inputs)
-    if not getattr(tokenizer, "chat_template", None):
-        raise UsageError("--use_chat_template: this tokenizer has no chat template")
-    texts, kept_own = [], []
-    for i, item in enumerate(inputs, 1):
-        messages = list(item) if isinstance(item, list) else [{"role": "user", "content": item}]
-        if args.system_prompt is not None:
-            if messages[0]["role"] == "system":
-                kept_own.append(str(i))
-            else:
-                messages.insert(0, {"role": "system", "content": args.system_prompt})
+def run_arguments(args) -> dict:
+    """This run's arguments for results.json (as resolved: device defaults and the checkpoint filled in), without
+    the token."""
+    out = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    if out.get("token"):
+        out["token"] = "<hidden>"
+    path, gguf = getattr(args, "_checkpoint", (None, None))
+    out["model_name_or_path"] = args.model_name_or_path or path
+    out["gguf_file"] = args.gguf_file or gguf
+    return out
+
+
+def model_source(args) -> dict:
+    """The model as results.json names it: the built-in's name, or the path or Hub id given, and what was read."""
+    from polyfuse.models.builtin import BUILTIN_NAME
+
+    path, gguf = getattr(args, "_checkpoint", (None, None))
+    name = args.model_name_or_path or (f"{BUILTIN_NAME} (built-in)" if args.gguf_file is None else args.gguf_file)
+    return {"name": name, "path": path, "gguf_file": gguf}
+
+
+def op_overrides(args) -> str:
+    """The op overrides in force, as the Stats and results.json name them: --ops, then POLYFUSE_OPS."""
+    from polyfuse.core.registry import ENV_OVERRIDES
+
+    given = [(args.ops, "--ops"), (os.environ.get(ENV_OVERRIDES, ""), ENV_OVERRIDES)]
+    return "; ".join(f"{text} ({where})" for text, where in given if text)
+
+
+def _dynamo_graphs() -> int:
+    """torch.compile graphs compiled so far in this process (dynamo's counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+class FirstLogits:
+    """Keeps a copy of the model's first last-position logits (the cached step's head, or the full forward's LM
+    head without --use_kv_cache); ``check()`` after that run raises one error line when they hold NaN or Inf. The
+    weights were checked when loaded, so such logits come from the computation (an overflow in float16, say)."""
+
+    def __init__(self, model):
+        self.model, self.logits, self.handle = model, None, None
+        head = model.head_logits
+
+        def head_logits(h):
+            out = head(h)
+            self.keep(out)
+            return out
+
+        model.head_logits = head_logits
+        self.handle = model.lm_head.register_forward_hook(lambda m, args, out: self.keep(out))
+
+    def keep(self, logits) -> None:
+        if self.logits is None and isinstance(logits, torch.Tensor):
+            self.logits = (logits[:, -1] if logits.dim() == 3 else logits).detach().clone()
+        self.remove()
+
+    def remove(self) -> None:
+        self.model.__dict__.pop("head_logits", None)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def check(self, dtype: torch.dtype) -> None:
+        self.remove()
+        if self.logits is None or bool(torch.isfinite(self.logits).all()):
+            return
+        rows = [str(i + 1) for i, ok in enumerate(torch.isfinite(self.logits).all(-1).tolist()) if not ok]
+        hint = "try --dtype bfloat16 or float32" if dtype == torch.float16 else "check the checkpoint's config"
+        raise UsageError(f"the first logits hold NaN or Inf (row {', '.join(rows)} of the first batch) although the "
+                         f"weights are finite: the forward overflowed in {str(dtype)[6:]}; {hint}")  # fmt: skip
+
+
+class Runs:
+    """The warm-up and timed runs, each over every batch of the inputs. Ctrl-C stops them and keeps what finished:
+    the last finished run's outputs and the finished timed runs' timings."""
+
+    def __init__(self, args, model, tokenizer, texts: list[str], groups: list[list[int]], device):
+        self.args, self.model, self.tokenizer, self.texts, self.groups = args, model, tokenizer, texts, groups
+        self.device = device
+        self.gen = model.runtime.sampling_generator(args.seed)  # HPU: None, its default generator seeded
+        self.last = None  # [(rows, ids, out)] per batch of the last finished run
+        self.timed: list[list[dict]] = []
+        self.warmup_s, self.graphs, self.interrupted = None, None, False
+        self.speculative = None  # the last run's speculative-decoding counts, where it speculated
+        self.first_logits = FirstLogits(model)
+        self.bars = bars_on(args)
+
+    def one(self) -> list[dict]:
+        from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
+        from polyfuse.generation.hooks import PhaseTimer  # the Stats block's phase times
+
+        args, outs, times = self.args, [], []
+        for rows in self.groups:
+            t0 = time.perf_counter()
+            ids, mask = encode(args, self.tokenizer, [self.texts[i] for i in rows], self.device)
+            kw = cli_generation_kwargs(args, self.tokenizer)
+            if kw["streamer"] is None and kw["num_beams"] == 1:
+                kw["streamer"] = token_bar(self.bars, args.max_new_tokens)
+            timer = PhaseTimer(self.model.runtime)
+            out = self.model.generate(
+                ids, mask, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                generator=self.gen, ignore_eos=args.ignore_eos, bucket_size=args.bucket_size,
+                use_cache=args.use_kv_cache, hooks=timer, **kw,
+            )  # fmt: skip
+            timings = timer.timings
+            self.speculative = timer.speculative or self.speculative
+            self.first_logits.check(self.model.dtype)
+            outs.append((rows, ids, out))
+            times.append(dict(first_s=timings["first_token_s"], rest_s=timings["rest_s"], rows=out.shape[0],
+                              new_tokens=timings["new_tokens"], e2e_s=time.perf_counter() - t0))  # fmt: skip
+        self.last = outs
+        return times
+
+    def go(self) -> None:
+        args, runtime = self.args, self.model.runtime
         try:
-            texts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        except Exception as e:
-            raise UsageError(f"the tokenizer's chat template rejects input {i} ({type(e).__name__}: {e})") from None
-    if kept_own:
-        print(
-            f"warning: --system_prompt ignored for conversation {', '.join(kept_own)} of --chat_file, which has its "
-            "own system message",
-            file=sys.stderr,
-        )
-    return texts
+            t0, graphs = time.perf_counter(), _dynamo_graphs()
+            for i in range(args.warmup):
+                print(f"Warming up iteration {i + 1}/{args.warmup}", flush=True)
+                self.one()
+            runtime.synchronize()
+            self.warmup_s, self.graphs = time.perf_counter() - t0, _dynamo_graphs() - graphs
+            runtime.reset_peak_memory()
+            for i in range(args.n_iterations):
+                self.timed.append(self.one())
+                print(iteration_line(i + 1, args.n_iterations, self.timed[-1]), flush=True)
+        except KeyboardInterrupt:
+            self.interrupted = True
 
 
-def check_prompts(args, tokenizer, texts: list[str]) -> tuple[list[str], list[str]]:
-    """(texts to tokenize, texts as they are used, for the report), once before the runs. An empty prompt alone is
-    an error; in a batch it warns and starts from the BOS token, as transformers' text-generation pipeline starts an
-    empty prompt. Prompts longer than --max_input_tokens are truncated from the left, with one warning."""
-    special = not args.use_chat_template
-    texts = list(texts)[: args.batch_size]  # rows cycle through the inputs; later ones are not used
-    lengths = [len(tokenizer(t, add_special_tokens=special).input_ids) for t in texts]
-    empty = [i for i, n in enumerate(lengths) if n == 0]
-    if empty and len(empty) == len(texts):
-        which = "--prompt is" if len(texts) == 1 else "every --prompt is"
-        raise UsageError(f"{which} empty: there is nothing to generate from; give it some text")
-    if empty:
-        rows = [str(r + 1) for r in range(args.batch_size) if r % len(texts) in empty]
-        if tokenizer.bos_token is None:
-            raise UsageError(
-                f"--prompt {', '.join(str(i + 1) for i in empty)} is empty and this tokenizer has no BOS token to "
-                "start it from: give it some text"
-            )
-        else:
-            print(
-                f"warning: --prompt {', '.join(str(i + 1) for i in empty)} is empty (input {', '.join(rows)} of "
-                f"{args.batch_size}): generated from the BOS token {tokenizer.bos_token!r} alone, as transformers' "
-                "text-generation pipeline does",
-                file=sys.stderr,
-            )
-            for i in empty:
-                texts[i] = tokenizer.bos_token
-    used = list(texts)
-    limit = args.max_input_tokens
-    if limit > 0:
-        budget = limit - (tokenizer.num_special_tokens_to_add() if special else 0)
-        dropped = []
-        for i, t in enumerate(texts):
-            ids = tokenizer(t, add_special_tokens=False).input_ids
-            if len(ids) > budget:
-                dropped.append(f"{len(ids) - budget} tokens of prompt {i + 1}")
-                used[i] = tokenizer.decode(ids[len(ids) - budget :]) if budget > 0 else ""
-        if dropped:
-            print(
-                f"warning: --max_input_tokens {limit}: prompts truncated from the left (their last {limit} tokens "
-                f"kept); dropped the first {', '.join(dropped)}",
-                file=sys.stderr,
-            )
-    return texts, used
+def iteration_line(i: int, n: int, batches: list[dict]) -> str:
+    first = 1e3 * sum(b["first_s"] for b in batches) / len(batches)
+    rest = [b["rest_s"] / (b["new_tokens"] - 1) for b in batches if b["new_tokens"] > 1]
+    rest_text = f"{1e3 * sum(rest) / len(rest):.2f} ms/token" if rest else "n/a (no token after the first)"
+    where = f" ({len(batches)} batches)" if len(batches) > 1 else ""
+    e2e = 1e3 * sum(b["e2e_s"] for b in batches)
+    return f"Iteration {i}/{n}{where}: first token {first:.2f} ms, rest {rest_text}, end to end {e2e:.2f} ms"
 
 
-def encode(args, tokenizer, texts: list[str], device):
-    """Token ids for one run (tokenization is part of the timed run, as in optimum-habana): ``texts`` cycled to fill
-    --batch_size, left-padded; with --max_input_tokens > 0 padded / truncated (from the left) to that length."""
-    prompts = [texts[i % len(texts)] for i in range(args.batch_size)]
-    kw = {"return_tensors": "pt", "add_special_tokens": not args.use_chat_template}
-    if args.max_input_tokens > 0:
-        kw.update(padding="max_length", max_length=args.max_input_tokens, truncation=True)
-    else:
-        kw.update(padding=True)
-    enc = tokenizer(prompts, **kw)
-    return prompts, enc.input_ids.to(device), enc.attention_mask.to(device)
+def warn_chat_model(args, tokenizer, runs: Runs) -> None:
+    """A chat model asked without its template often ends at once: one warning saying how to ask it."""
+    eos = tokenizer.eos_token_id
+    if args.use_chat_template or args.ignore_eos or eos is None or not getattr(tokenizer, "chat_template", None):
+        return
+    if all(out.shape[1] > ids.shape[1] and bool((out[:, ids.shape[1]] == eos).all()) for _, ids, out in runs.last):
+        print("warning: every output ended at its first token (EOS): this is a chat model (its tokenizer has a chat "
+              "template); add --use_chat_template (or give --chat_file) to ask it in that form", file=sys.stderr)  # fmt: skip
+
+
+def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
+    """results.json's contents: the Stats of the finished timed runs, the last finished run's outputs, the model,
+    device, flags and versions."""
+    model, tokenizer = runs.model, runs.tokenizer
+    outputs = []
+    for _, ids, out in runs.last:
+        outputs += tokenizer.batch_decode(out[:, ids.shape[1] :] if args.print_new_text_only else out,
+                                          skip_special_tokens=True)  # fmt: skip
+    stats = summarize(runs.timed, args.max_new_tokens)
+    note = compile_note(flags, device.type, args.warmup, runs.graphs)
+    if runs.warmup_s is None:
+        note = "interrupted during the warm-up"
+    stats["notes"]["graph_compilation_duration"] = note
+    info = output.run_info(model, device, flags, model_source(args))
+    info["ops"] = op_overrides(args)
+    return {
+        **{k: v for k, v in stats.items() if k != "notes"},
+        "graph_compilation_duration": runs.warmup_s if note is None else None,
+        "warmup_duration": runs.warmup_s,
+        "memory": model.runtime.memory_stats(),
+        "input": [used[i] for group in runs.groups for i in group],  # as used: after truncation
+        "output": outputs,
+        "backends": model.kernels.as_dict(),
+        "speculative": runs.speculative.as_dict() if runs.speculative is not None else None,
+        **info,
+        "timed_runs": len(runs.timed),
+        "interrupted": runs.interrupted,
+        "notes": {k: v for k, v in stats["notes"].items() if v},
+        "args": run_arguments(args),
+    }
+
+
+def prepare_output_dir(args) -> None:
+    """Check --output_dir before the model loads (creating it if missing), so a bad one never costs the run."""
+    args._created_output_dir = output.prepare_output_dir(args.output_dir)
 
 
 def run(args) -> dict:
     from polyfuse.core.flags import check_flags
-    from polyfuse.generation.hooks import PhaseTimer  # the Stats block's phase times
 
     validate(args)
     inputs = read_inputs(args)
@@ -564,105 +634,30 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
+    from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
+
+    speculation = prepare_speculation(args, model, tokenizer, device, flags, lambda path: draft_checkpoint(args, path))
     if args.print_backends:
         from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
 
-        print("\n".join(filter(None, [model.kernels.report(), quantization_report(model)])))
-    runtime = model.runtime
-    gen = runtime.sampling_generator(args.seed)  # HPU: None, its default generator seeded (no host draws)
-
-    def one_run(timer=None):
-        from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
-
-        t0 = time.perf_counter()
-        prompts, ids, mask = encode(args, tokenizer, texts, device)
-        out = model.generate(
-            ids,
-            mask,
-            max_new_tokens=args.max_new_tokens,
-            do_sample=args.do_sample,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            generator=gen,
-            ignore_eos=args.ignore_eos,
-            bucket_size=args.bucket_size,
-            use_cache=args.use_kv_cache,
-            hooks=timer,
-            **cli_generation_kwargs(args, tokenizer),
-        )
-        return prompts, ids, out, time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    for i in range(args.warmup):
-        print(f"Warming up iteration {i + 1}/{args.warmup}", flush=True)
-        one_run()
-    runtime.synchronize()
-    compile_s = time.perf_counter() - t0
-    runtime.reset_peak_memory()
-
-    firsts, rests, e2es, new_tokens = [], [], [], 0
-    t0 = time.perf_counter()
-    for i in range(args.n_iterations):
-        timer = PhaseTimer(runtime)
-        prompts, ids, out, e2e = one_run(timer)
-        timings = timer.timings
-        new_tokens += timings["new_tokens"] * out.shape[0]  # rows returned: batch x --num_return_sequences
-        firsts.append(timings["first_token_s"])
-        rests.append(timings["rest_s"] / max(timings["new_tokens"] - 1, 1))
-        e2es.append(e2e)
-        print(
-            f"Iteration {i + 1}/{args.n_iterations}: first token {firsts[-1] * 1e3:.2f} ms, "
-            f"rest {rests[-1] * 1e3:.2f} ms/token, end to end {e2e * 1e3:.2f} ms",
-            flush=True,
-        )
-    duration = time.perf_counter() - t0
-    outputs = tokenizer.batch_decode(
-        out[:, ids.shape[1] :] if args.print_new_text_only else out, skip_special_tokens=True
-    )
-    mem = runtime.memory_stats()
-    result = {
-        "throughput": new_tokens / duration,
-        "avg_first_token_latency": 1e3 * sum(firsts) / len(firsts),
-        "avg_rest_token_latency": 1e3 * sum(rests) / len(rests),
-        "avg_e2e_latency": 1e3 * sum(e2es) / len(e2es),
-        "graph_compilation_duration": compile_s,
-        "memory": mem,
-        "input": [used[i % len(used)] for i in range(len(prompts))],  # as used: after truncation
-        "output": outputs,
-        "backends": model.kernels.as_dict(),
-        "device": device.type,
-        "args": run_arguments(args),
-    }
+        ops = op_overrides(args)
+        print("\n".join(filter(None, [model.kernels.report(), ops and f"op overrides: {ops}",
+                                      quantization_report(model), speculation])))  # fmt: skip
+    runs = Runs(args, model, tokenizer, texts, row_groups(len(texts), args.batch_size), device)
+    runs.go()
+    if runs.last is None:
+        raise Interrupted("interrupted before any run finished: nothing written")
+    warn_chat_model(args, tokenizer, runs)
+    result = collect(args, runs, used, device, flags)
     print_report(result, args)
-    if args.output_dir:
-        write_results(args.output_dir, result)
+    written = None
+    if args.output_dir and int(os.environ.get("RANK", "0")) == 0:  # under torchrun rank 0 writes for every rank
+        written = output.write_results(args.output_dir, result)
+        print(f"Results written to {written}")
+    if runs.interrupted:
+        kept = f"results in {written}" if written else "nothing written (no --output_dir)"
+        raise Interrupted(f"interrupted: {len(runs.timed)} of {args.n_iterations} timed runs finished; {kept}")
     return result
-
-
-def print_report(r: dict, args) -> None:
-    print("\nInput/outputs:")
-    per_input = max(len(r["output"]) // max(len(r["input"]), 1), 1)  # --num_return_sequences: rows i * n + j
-    for i, inp in enumerate(r["input"]):
-        print(f"input {i + 1}: {(inp,)}")
-        for j, out in enumerate(r["output"][i * per_input : (i + 1) * per_input]):
-            print(f"output {i + 1}.{j + 1}: {(out,)}")
-        print()
-    lines = [
-        "Input tokens",
-        f"Throughput (including tokenization) = {r['throughput']} tokens/second",
-        f"Average first token latency         = {r['avg_first_token_latency']} ms",
-        f"Average rest token latency          = {r['avg_rest_token_latency']} ms",
-        f"Average end to end latency          = {r['avg_e2e_latency']} ms",
-    ]
-    for k, v in r["memory"].items():
-        if v is not None:
-            lines.append("{:35} = {} GB".format(k[:-5].replace("_", " ").capitalize(), v))
-    lines.append(f"Graph compilation duration          = {r['graph_compilation_duration']} seconds")
-    sep = "-" * max(len(s) for s in lines)
-    print("Stats:\n" + sep + "\n" + "\n".join(lines) + "\n" + sep)
 
 
 def set_log_level(name: str) -> None:
@@ -682,14 +677,20 @@ def main(argv=None) -> int:
 
     try:
         run(args)
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted: nothing written", file=sys.stderr)
+        return 130
     except (UsageError, CheckpointError, ValueError, FileNotFoundError) as e:
         print("error: " + one_line(e), file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:
         print("error: out of GPU memory; lower --batch_size or --max_new_tokens", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
+    finally:
+        output.remove_if_empty(args.output_dir, getattr(args, "_created_output_dir", False))
     return 0
 
 

@@ -1,6 +1,7 @@
 """What ``polyfuse-generate`` passes to ``generate()`` for the flags of the "generation features" block of
 ``polyfuse/cli/args.py`` (--num_beams, --num_return_sequences, --repetition_penalty, --stop_strings,
---stop_token_ids, --stream). Bad values raise one-line ValueErrors, which the CLI prints as ``error:`` lines."""
+--stop_token_ids, --stream), and the speculative-decoding arguments polyfuse/cli/speculative_setup.py prepared.
+Bad values raise one-line ValueErrors, which the CLI prints as ``error:`` lines."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def cli_generation_kwargs(args, tokenizer) -> dict:
         stop_token_ids=stop_ids,
         tokenizer=tokenizer if stop_strings else None,
         streamer=streamer,
+        **getattr(args, "_polyfuse_speculation", {}),  # polyfuse/cli/speculative_setup.py: method, k, the draft
     )
     check_generation_options(
         args.do_sample, penalty, num_beams, num_return_sequences, False, stop_strings, kwargs["tokenizer"], streamer

@@ -63,11 +63,14 @@ class CausalLM(Protocol):
         """Make position tables cover ``length``; True when a table was rebuilt (the engine then resets captured
         graphs, which hold the old tables)."""
 
-    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None):
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None,
+             hidden_layers=None):  # fmt: skip
         """One cached step (prefill, decode, or several positions to verify): writes ``self.cache`` at
         ``cache_position``; returns the last position's logits [B, V], or with ``logits_to_keep`` = k those of the
         last k positions [B, k, V] (0: every position, as transformers' ``logits_to_keep``). Only the default may
-        prune the last layer to the last row."""
+        prune the last layer to the last row. ``hidden_layers`` (increasing layer indices; speculative decoding's
+        EAGLE-3 heads): returns (logits, hidden [B, L, len(hidden_layers) * hidden size]), the residual stream
+        entering each of those layers at every position of the step, concatenated in that order."""
 
     def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None):
         """Full-sequence forward without a cache: an output with ``.logits`` (or ``.loss`` with labels)."""

@@ -33,7 +33,7 @@ class CachedStep:
         keeps what earlier steps wrote while it fits."""
         prepare_cache(self.model, rows, length, bucket_size)
 
-    def __call__(  # 7 parameters: the model step's own inputs and the rows of logits asked for
+    def __call__(  # 8 parameters: the model step's own inputs, the rows of logits and the hidden states asked for
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
@@ -41,12 +41,15 @@ class CachedStep:
         key_mask: Optional[torch.Tensor] = None,
         kv_len: Optional[int] = None,
         logits_to_keep: Optional[int] = None,
-    ) -> torch.Tensor:
+        hidden_layers: Optional[tuple] = None,
+    ):
         """Write ``input_ids`` [rows, L] (at ``position_ids`` [rows, L]) into cache slots ``cache_position`` [L],
         attending to the first ``kv_len`` slots (default: the whole cache) where ``key_mask`` [rows, >= kv_len] is
         True (default: every slot; causality comes from the slots). Returns the last position's logits [rows, V],
-        or with ``logits_to_keep`` = k the last k positions' [rows, k, V] (0: all L). Under CUDA graphs the
-        result is the graph's output buffer, which the next replay overwrites (clone what you keep)."""
+        or with ``logits_to_keep`` = k the last k positions' [rows, k, V] (0: all L). ``hidden_layers``: a pair
+        (those logits, the residual stream entering those layers [rows, L, layers x hidden]; core/model_protocol.py).
+        Under CUDA graphs the result is the graph's output buffer, which the next replay overwrites (clone what you
+        keep)."""
         cache = self.model.cache
         if cache is None:
             raise ValueError("CachedStep: no KV cache; call reserve(rows, length) first")
@@ -57,4 +60,6 @@ class CachedStep:
         steps = model_steps(self.model)
         step = steps.prefill if self.phase == "prefill" else steps.decode
         args = (kv_len, input_ids, position_ids, cache_position, key_mask)
+        if hidden_layers:
+            return step(*args, logits_to_keep, tuple(hidden_layers))
         return step(*args) if logits_to_keep is None else step(*args, logits_to_keep)

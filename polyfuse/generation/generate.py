@@ -23,6 +23,8 @@ from polyfuse.generation.greedy import greedy_in_place
 from polyfuse.generation.options import GenerationOptions, check_generation_options, check_runtime_objects
 from polyfuse.generation.prefill import prefill, prompt_key_mask
 from polyfuse.generation.prompts import prepare_prompts
+from polyfuse.generation.speculative.loop import speculative_decode
+from polyfuse.generation.speculative.plan import make_proposer, plan_speculation
 from polyfuse.generation.steps import prepare_cache
 from polyfuse.generation.stopping import StopStrings
 from polyfuse.generation.token_loop import token_loop
@@ -48,20 +50,32 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
       stops at the token completing one, as transformers' StopStringCriteria);
     * ``streamer``: ``put(ids)`` / ``end()`` (transformers' BaseStreamer): the prompt, then each position's tokens
       [rows], then end(); not with beam search. Greedy in place then reads each token back (a sync per token);
-    * ``hooks``: a :class:`polyfuse.generation.hooks.GenerationHooks` told the phase boundaries (timing).
+    * ``hooks``: a :class:`polyfuse.generation.hooks.GenerationHooks` told the phase boundaries (timing);
+    * speculative decoding (generation/speculative, docs/speculative.md): ``prompt_lookup_num_tokens`` (with
+      ``max_matching_ngram_size``), ``assistant_model`` (a loaded draft model of the same tokenizer, with
+      ``num_assistant_tokens``) or ``speculative_model`` (loaded EAGLE-3 heads; ``speculative_method="draft"``: a
+      draft model), ``num_speculative_tokens`` (k). Greedy output is token for token the same; sampled output has
+      the same distribution. With beam search or ``use_cache=False`` one warning, and no speculation.
 
     Beams and returned sequences are rows ``b * k + j``. Greedy decoding keeps the in-place TokenStep (and its CUDA
     graph) with ``repetition_penalty`` and ``stop_token_ids``; beam search and stop strings run the per-token step.
     """
-    objects = {name: kwargs.pop(name, None) for name in ("generator", "tokenizer", "streamer", "hooks")}
+    names = ("generator", "tokenizer", "streamer", "hooks", "assistant_model", "speculative_model")
+    objects = {name: kwargs.pop(name, None) for name in names}
     options = GenerationOptions.from_kwargs(**kwargs)
     check_runtime_objects(options, objects["tokenizer"], objects["streamer"])
+    drafts = objects["assistant_model"], objects["speculative_model"]
+    speculation = plan_speculation(options, *drafts)
     prompts = prepare_prompts(model, input_ids, attention_mask, options)
+    proposer = make_proposer(speculation, model, prompts.eos, *drafts) if speculation is not None else None
     stop = StopStrings(options.stop_strings, objects["tokenizer"]) if options.stop_strings else None
     d = Decoding(model, prompts, options, objects["generator"], stop, objects["streamer"], objects["hooks"])
     if d.streamer is not None:
         d.streamer.put(prompts.input_ids.cpu())
-    result = decode_cached(d) if options.use_cache else decode_without_cache(d)
+    if proposer is not None:
+        result = speculative_decode(d, proposer)
+    else:
+        result = decode_cached(d) if options.use_cache else decode_without_cache(d)
     if d.hooks is not None:
         d.hooks.end(result.shape[1] - prompts.n)
     if d.streamer is not None:

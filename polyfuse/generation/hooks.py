@@ -1,7 +1,8 @@
 """Phase boundaries of one generate() call, for observers outside the engine (the CLI's Stats, benchmarks).
 
 ``generate(..., hooks=obj)`` calls ``obj.start()`` just before the first model step (the prompt), ``first_token()``
-once the first new token is chosen, and ``end(new_tokens)`` when the result is complete (new positions per row).
+once the first new token is chosen, ``speculation(stats)`` after a speculative call (its acceptance), and
+``end(new_tokens)`` when the result is complete (new positions per row).
 The strategies only mark token boundaries (:class:`TokenBoundary`, the lazy-mode step boundary they need anyway);
 what a boundary means to an observer is decided here. :class:`PhaseTimer` is the observer that times the phases.
 """
@@ -24,6 +25,10 @@ class GenerationHooks:
     def end(self, new_tokens: int) -> None:
         pass
 
+    def speculation(self, stats) -> None:
+        """Once, before ``end``, when the call ran speculative decoding: its
+        ``polyfuse.generation.speculative.stats.SpeculationStats``."""
+
 
 class PhaseTimer(GenerationHooks):
     """Wall time of the phases, the device synchronized at each boundary: ``first_token_s`` (the prompt step and the
@@ -33,6 +38,7 @@ class PhaseTimer(GenerationHooks):
         self.runtime = runtime
         self.t0 = self.t_first = self.t_end = None
         self.new_tokens = 0
+        self.speculative = None  # SpeculationStats of a speculative call
 
     def _now(self) -> float:
         if self.runtime is not None:
@@ -47,6 +53,9 @@ class PhaseTimer(GenerationHooks):
 
     def end(self, new_tokens: int) -> None:
         self.t_end, self.new_tokens = self._now(), new_tokens
+
+    def speculation(self, stats) -> None:
+        self.speculative = stats
 
     @property
     def first_token_s(self) -> float:

@@ -1,5 +1,6 @@
 """The generation settings: one validated dataclass with transformers' names and meanings (``GenerationConfig``),
-plus polyfuse's own (``ignore_eos``, ``stop_token_ids``, ``bucket_size``).
+plus polyfuse's own (``ignore_eos``, ``stop_token_ids``, ``bucket_size``, ``speculative_method``,
+``num_speculative_tokens``).
 
 ``GenerationOptions.from_kwargs(generation_config=None, **kwargs)`` builds it once per ``generate()`` call: the
 fields a transformers ``GenerationConfig`` sets, then the keyword arguments over them (a keyword given as None leaves
@@ -19,6 +20,8 @@ from polyfuse.generation.stopping import as_stop_strings
 
 
 DEFAULT_NEW_TOKENS = 20
+SPECULATIVE_METHODS = ("prompt_lookup", "draft", "eagle3")
+MAX_SPECULATIVE_TOKENS = 32  # the widest verify step: k drafted tokens + 1 in one target forward
 # GenerationConfig fields that carry no setting for polyfuse's decoding (identity, bookkeeping, output format).
 _CONFIG_IGNORED = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "decoder_start_token_id"})
 
@@ -53,6 +56,12 @@ class GenerationOptions:
     ignore_eos: bool = False
     bucket_size: int = -1  # KV cache and attended length in multiples of this (<= 0: one static length)
     use_cache: bool = True  # False: recompute the whole sequence every token
+    # Speculative decoding (generation/speculative; the models are generate()'s assistant_model / speculative_model)
+    prompt_lookup_num_tokens: Optional[int] = None  # transformers': k of prompt lookup (n-gram matching)
+    max_matching_ngram_size: Optional[int] = None  # transformers': longest n-gram prompt lookup matches (default 2)
+    num_assistant_tokens: Optional[int] = None  # transformers': k of assistant_model (a draft model)
+    speculative_method: Optional[str] = None  # "prompt_lookup", "draft" or "eagle3" (default: from what is given)
+    num_speculative_tokens: Optional[int] = None  # k of any method (default: the method's)
 
     def __post_init__(self):
         # Normalized once here, so every reader sees tuples (frozen: set through object.__setattr__).
@@ -89,6 +98,19 @@ class GenerationOptions:
             )
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        self._validate_speculation()
+
+    def _validate_speculation(self) -> None:
+        for name in ("prompt_lookup_num_tokens", "num_assistant_tokens", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if value is not None and not (_is_count(value, 1) and value <= MAX_SPECULATIVE_TOKENS):
+                raise ValueError(f"{name} must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {value!r}")
+        if self.max_matching_ngram_size is not None and not _is_count(self.max_matching_ngram_size, 1):
+            raise ValueError(f"max_matching_ngram_size must be an integer >= 1, got {self.max_matching_ngram_size!r}")
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.speculative_method!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, generation_config=None, **kwargs) -> "GenerationOptions":

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from polyfuse.generation.options import GenerationOptions
+from polyfuse.generation.padding import to_left_padding
 
 
 @dataclass
@@ -58,6 +59,7 @@ def prepare_prompts(model, input_ids, attention_mask: Optional[torch.Tensor], op
         mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
         mask = attention_mask.to(device).bool()
+    input_ids, mask = to_left_padding(input_ids, mask)  # a right-padded batch generates as its left-padded twin
     padded = attention_mask is not None and not bool(mask.all())
     if options.copies > 1:
         input_ids = input_ids.repeat_interleave(options.copies, dim=0)

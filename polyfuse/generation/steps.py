@@ -27,7 +27,11 @@ class StepModule(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, kv_len: int, input_ids, position_ids, cache_position, key_mask, logits_to_keep=None):
+    def forward(self, kv_len: int, input_ids, position_ids, cache_position, key_mask, logits_to_keep=None,
+                hidden_layers=None):  # fmt: skip
+        if hidden_layers:  # (logits, the residual stream entering those layers): speculative decoding's EAGLE-3
+            return self.model.step(input_ids, position_ids, cache_position, key_mask, kv_len, logits_to_keep,
+                                   hidden_layers)  # fmt: skip
         if logits_to_keep is None:  # the next-token logits [B, V]
             return self.model.step(input_ids, position_ids, cache_position, key_mask, kv_len)
         return self.model.step(input_ids, position_ids, cache_position, key_mask, kv_len, logits_to_keep)

