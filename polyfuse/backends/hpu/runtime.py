@@ -6,7 +6,11 @@
   read once when the bridge is imported; **unset means eager since Synapse 1.21** (it meant lazy up to 1.20).
 * Lazy mode accumulates ops into a graph that runs at ``mark_step()``. The generation loop calls
   ``runtime.mark_step()`` after every step, and the model calls the hook from ``layer_hook()`` before every decoder
-  layer in inference, as optimum-habana's ``GaudiLlamaModel`` does. In eager mode mark_step is never called (it is a
+  layer in inference, as optimum-habana's ``GaudiLlamaModel`` does: on one card only (with torch.distributed over
+  several processes it skips it, as optimum-habana does).
+* Multi-card (``WORLD_SIZE`` > 1): ``PT_HPU_ENABLE_LAZY_COLLECTIVES=true`` is set where unset before the bridge is
+  imported (optimum-habana's ``setup_env``), which tensor parallelism with HPU graphs needs; set to false, HPU graphs
+  under tensor parallelism are refused in one line. In eager mode mark_step is never called (it is a
   lazy-only function there; optimum-habana PR #707).
 * ``graph_module`` wraps a step module with ``habana_frameworks.torch.hpu.wrap_in_hpu_graph`` under
   ``--use_hpu_graphs`` (lazy mode only: the bridge does not export the graph API in eager mode, and
@@ -40,6 +44,7 @@ import torch
 
 from polyfuse.backends.hpu import _habana, fp8_linear, int4_linear
 from polyfuse.backends.hpu.fp8_range import device_fp8_max, fit_gaudi2
+from polyfuse.core import habana_env
 from polyfuse.core.runtime import DeviceRuntime, Step
 
 
@@ -51,6 +56,10 @@ GRAPHS_NEED_LAZY = (
     "--use_hpu_graphs needs Habana's lazy mode, and this process runs in eager mode (the default since Synapse 1.21): "
     "set PT_HPU_LAZY_MODE=1 before starting Python, or use --torch_compile"
 )
+GRAPHS_NEED_LAZY_COLLECTIVES = (
+    "--use_hpu_graphs under tensor parallelism needs PT_HPU_ENABLE_LAZY_COLLECTIVES=true (collectives inside HPU "
+    "graphs); it is set to false in this process's environment"
+)
 COMPILE_NEEDS_EAGER = (
     "--torch_compile on HPU needs Habana's eager mode, and this process runs in lazy mode: "
     "set PT_HPU_LAZY_MODE=0 (or leave it unset on Synapse 1.21+) before starting Python"
@@ -60,6 +69,11 @@ COMPILE_NEEDS_EAGER = (
 def lazy_mode_enabled() -> bool:
     """Habana's ``is_lazy()`` (PT_HPU_LAZY_MODE read once by the bridge; unset = eager since Synapse 1.21)."""
     return _habana.is_lazy()
+
+
+def _distributed_world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class HpuGraphStep(Step):
@@ -105,6 +119,8 @@ class HpuRuntime(DeviceRuntime):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
+        if habana_env.world_size() > 1:  # before the bridge starts, as optimum-habana's setup_env
+            habana_env.enable_lazy_collectives()
         _habana.import_bridge()  # registers the hpu device with torch; harmless (False) outside Habana's stack
         self.lazy_mode = lazy_mode_enabled()
 
@@ -120,6 +136,11 @@ class HpuRuntime(DeviceRuntime):
             fn()
 
     def layer_hook(self) -> Optional[Callable[[], None]]:
+        """mark_step before every decoder layer in inference, on one card only: optimum-habana's Llama skips it when
+        torch.distributed runs more than one process (a step boundary between a layer's collectives would split
+        them across graphs)."""
+        if _distributed_world() > 1:
+            return None
         return self._mark_step_fn()
 
     # -- graphs ----------------------------------------------------------------------------------------------------
@@ -133,6 +154,8 @@ class HpuRuntime(DeviceRuntime):
             return Step(module)
         if not self.lazy_mode:
             raise ValueError(GRAPHS_NEED_LAZY)
+        if _distributed_world() > 1 and not habana_env.lazy_collectives():
+            raise ValueError(GRAPHS_NEED_LAZY_COLLECTIVES)
         wrap = _habana.require(_habana.HPU, "wrap_in_hpu_graph")
         if not getattr(module, _WRAPPED, False):
             kwargs = {}
