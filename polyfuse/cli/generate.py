@@ -631,8 +631,14 @@ def run(args) -> dict:
     flags, warnings = check_flags(device.type, flags)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
+    from polyfuse.quant import inc  # QUANT_CONFIG: Intel Neural Compressor's fp8 flow, as optimum-habana runs it
+
+    refused = inc.refusal(device.type, getattr(args, "quant", None))
+    if refused:
+        raise UsageError(refused)
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
+    inc_run = inc.start(model)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
 
@@ -648,6 +654,9 @@ def run(args) -> dict:
     if runs.last is None:
         raise Interrupted("interrupted before any run finished: nothing written")
     warn_chat_model(args, tokenizer, runs)
+    done = inc.finish(inc_run, model)  # MEASURE: the measurement files are written here
+    if done:
+        print(done, file=sys.stderr)
     result = collect(args, runs, used, device, flags)
     print_report(result, args)
     written = None
