@@ -569,13 +569,16 @@ def iteration_line(i: int, n: int, batches: list[dict]) -> str:
 
 
 def warn_chat_model(args, tokenizer, runs: Runs) -> None:
-    """A chat model asked without its template often ends at once: one warning saying how to ask it."""
+    """A chat model asked without its template often answers EOS at once: one warning saying how to ask it (with
+    --ignore_eos, optimum-habana's default, generation goes on past that EOS)."""
     eos = tokenizer.eos_token_id
-    if args.use_chat_template or args.ignore_eos or eos is None or not getattr(tokenizer, "chat_template", None):
+    if args.use_chat_template or eos is None or not getattr(tokenizer, "chat_template", None):
         return
     if all(out.shape[1] > ids.shape[1] and bool((out[:, ids.shape[1]] == eos).all()) for _, ids, out in runs.last):
-        print("warning: every output ended at its first token (EOS): this is a chat model (its tokenizer has a chat "
-              "template); add --use_chat_template (or give --chat_file) to ask it in that form", file=sys.stderr)  # fmt: skip
+        what = ("began with EOS (generation went on past it: --ignore_eos is optimum-habana's default)"
+                if args.ignore_eos else "ended at its first token (EOS)")  # fmt: skip
+        print(f"warning: every output {what}: this is a chat model (its tokenizer has a chat template); add "
+              "--use_chat_template (or give --chat_file) to ask it in that form", file=sys.stderr)  # fmt: skip
 
 
 def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
@@ -619,6 +622,10 @@ def run(args) -> dict:
     from polyfuse.core.flags import check_flags
 
     validate(args)
+    from polyfuse.cli.habana_options import apply_habana_options  # optimum-habana's other flags
+
+    for w in apply_habana_options(args):
+        print(f"warning: {w}", file=sys.stderr)
     inputs = read_inputs(args)
     device = pick_device(args.device)
     if args.flash_attention_fast_softmax is None:
