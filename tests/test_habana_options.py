@@ -85,3 +85,49 @@ def test_readme_line_parses_and_runs_or_stops_in_one_line(line):
             assert "Gaudi" in inc.refusal("cpu")
         finally:
             os.environ.pop("QUANT_CONFIG") if old is None else os.environ.__setitem__("QUANT_CONFIG", old)
+
+
+def _accepted_lines():
+    """README lines the flags accept (the rest stop in one error line, checked above), without QUANT_CONFIG."""
+    out = []
+    for i, line in enumerate(README):
+        args = build_parser().parse_args(line["args"])
+        try:
+            apply_habana_options(args)
+        except ValueError:
+            continue
+        if "QUANT_CONFIG" not in line["env"]:
+            out.append(pytest.param(line, id=str(i)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", _accepted_lines())
+def test_readme_lines_run_on_the_cpu(line, capsys):
+    """Accepted README lines run on the CPU with the built-in model, scaled down (2 new tokens, one run, batch 1;
+    later flags win): exit 0 with the Stats, or (a Hub model that is not in the offline cache, such as an assistant
+    model) one error line naming it."""
+    from polyfuse.cli.generate import main
+
+    small = ["--max_new_tokens", "2", "--warmup", "0", "--n_iterations", "1", "--batch_size", "1", "--device", "cpu"]
+    if "--max_input_tokens" in line["args"]:
+        small += ["--max_input_tokens", "16"]
+    rc = main([*line["args"], *small])
+    out, err = capsys.readouterr()
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    if rc == 0:
+        assert "Stats:" in out and not errors
+    else:
+        assert len(errors) == 1 and "Stats:" not in out, err
+
+
+def test_bare_use_lazy_mode_parses_as_in_the_language_modeling_readme():
+    """optimum-habana's run_clm lines give ``--use_lazy_mode`` with no value (15 of its 17 README lines)."""
+    from transformers import HfArgumentParser
+
+    from polyfuse.training import PolyfuseTrainingArguments
+
+    p = HfArgumentParser(PolyfuseTrainingArguments)
+    assert p.parse_args(["--output_dir", "o", "--use_lazy_mode"]).use_lazy_mode is True
+    assert p.parse_args(["--output_dir", "o", "--use_lazy_mode", "false"]).use_lazy_mode is False
+    assert p.parse_args(["--output_dir", "o"]).use_lazy_mode is None

@@ -67,6 +67,10 @@ def validate(args) -> None:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.temperature > 0 and not args.do_sample:  # optimum-habana's README gives --temperature 0 to greedy
+        print(f"warning: --temperature {args.temperature} changes nothing without --do_sample (greedy)",
+              file=sys.stderr)  # fmt: skip
+        args.temperature = 1.0
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:
