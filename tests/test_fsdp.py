@@ -447,7 +447,10 @@ def test_a_rank_that_never_comes_one_error_line(two_layer_model, tmp_path):
 def habana_double(monkeypatch):
     from test_hpu_backend import _forget_habana, _import_double
 
-    yield _import_double(monkeypatch, None)
+    double = _import_double(monkeypatch, None)
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device)
+
+    yield double
     _forget_habana()
 
 
@@ -465,7 +468,8 @@ def test_gaudi_fused_adamw_and_clip_norm_stay_off_under_fsdp2(habana_double, mon
         args = PolyfuseTrainingArguments(output_dir=str(tmp_path), use_habana=True, report_to=[], use_cpu=True)
         gaudi = GaudiConfig(use_fused_adam=True, use_fused_clip_norm=True)
         trainer = PolyfuseTrainer(_LoraLike(), args, gaudi_config=gaudi)
-        trainer.runtime = HpuRuntime(torch.device("hpu"))  # the Trainer runs on the CPU here; the runtime is Gaudi's
+        trainer.model.to("hpu")  # the Trainer runs on the CPU here; the model and the runtime are Gaudi's
+        trainer.runtime = HpuRuntime(torch.device("hpu"))
         trainer.is_fsdp_enabled = fsdp  # what the Trainer sets once accelerate runs FSDP2
         opt = trainer.create_optimizer()
         habana = type(opt).__module__ == "habana_frameworks.torch.hpex.optimizers"

@@ -38,6 +38,9 @@ needs_gaudi = pytest.mark.skipif(not REAL_HABANA, reason="needs an Intel Gaudi w
 
 
 def _forget_habana():
+    double = sys.modules.get("habana_frameworks")
+    if double is not None and getattr(double, "TEST_DOUBLE", False):
+        double.shutdown()  # the double's hpu device goes with it
     for name in list(sys.modules):
         if name == "habana_frameworks" or name.startswith("habana_frameworks."):
             del sys.modules[name]
@@ -65,7 +68,19 @@ def hf(monkeypatch, request):
     """The test double of habana_frameworks, importable for this test only, in the mode the test asks for with the
     ``lazy`` / ``eager`` fixtures (neither: PT_HPU_LAZY_MODE unset)."""
     names = request.fixturenames
-    yield _import_double(monkeypatch, True if "lazy" in names else False if "eager" in names else None)
+    double = _import_double(monkeypatch, True if "lazy" in names else False if "eager" in names else None)
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device, as the bridge registers it)
+
+    torch.set_default_device("hpu")  # tensors the test makes are HPU tensors, as on a Gaudi
+    yield double
+    torch.set_default_device(None)
+    _forget_habana()
+
+
+@pytest.fixture
+def hf_bare(monkeypatch):
+    """The double importable, its bridge (habana_frameworks.torch) not imported yet."""
+    yield _import_double(monkeypatch, None)
     _forget_habana()
 
 
@@ -119,15 +134,20 @@ def habana(request, monkeypatch):
         yield Habana(name, None, torch.device("hpu"), is_lazy())
         return
     lazy_mode = name == "double-lazy"
-    yield Habana(name, _import_double(monkeypatch, lazy_mode), torch.device("cpu"), lazy_mode)
+    double = _import_double(monkeypatch, lazy_mode)
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device)
+
+    yield Habana(name, double, torch.device("hpu"), lazy_mode)
     _forget_habana()
 
 
 def _qkv(b=2, hq=4, hkv=2, lq=6, lk=6, d=16, dtype=torch.float32, seed=0):
+    """Drawn on the host from a seeded generator, then on the default device (the double's HPU under ``hf``)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g).to(dtype)
-    k = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
-    v = torch.randn(b, hkv, lk, d, generator=g).to(dtype)
+    dev = torch.get_default_device()
+    q = torch.randn(b, hq, lq, d, generator=g, device="cpu").to(dtype).to(dev)
+    k = torch.randn(b, hkv, lk, d, generator=g, device="cpu").to(dtype).to(dev)
+    v = torch.randn(b, hkv, lk, d, generator=g, device="cpu").to(dtype).to(dev)
     return q, k, v
 
 
@@ -697,15 +717,21 @@ def test_lazy_mode_is_habanas_answer(hf, monkeypatch, env, bridge):
 
 
 def test_torch_compile_uses_hpu_backend_in_eager_mode(hf, eager):
+    """The runtime names hpu_backend, which torch.compile resolves once the bridge is imported (the double lowers the
+    graph through AOT autograd as the real one does): the ATen graph reaches the backend, and a graph on host
+    tensors is refused."""
+    torch.set_default_device(None)  # dynamo traces into a default-device mode's tensor constructors
     rt = get_runtime("hpu")
     assert rt.compile_backend() == "hpu_backend"
-    # The name resolves as torch.compile resolves it once the bridge is imported (the double registers a recording
-    # pass-through, like the real bridge registers Habana's compiler in eager mode).
-    backend = torch._dynamo.lookup_backend(rt.compile_backend())
-    gm = torch.fx.symbolic_trace(lambda x: x * 2 + 1)
-    fn = backend(gm, [torch.ones(3)])
-    torch.testing.assert_close(fn(torch.ones(3)), torch.full((3,), 3.0))
-    assert "hpu_backend.compile" in _names(hf)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 2 + 1, backend=rt.compile_backend())
+    x = torch.ones(3, device="hpu")
+    torch.testing.assert_close(fn(x).cpu(), torch.full((3,), 3.0, device="cpu"))
+    assert hf.calls("hpu_backend.graph")[0][0][0] == ["aten.mul.Tensor", "aten.add.Tensor"]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="not an HPU tensor"):
+        torch.compile(lambda x: x * 2 + 1, backend="hpu_backend")(torch.ones(3, device="cpu"))
+    torch._dynamo.reset()
 
 
 def test_torch_compile_refused_in_lazy_mode(hf, lazy):
@@ -958,14 +984,12 @@ def _tiny_cfg(**kw):
 
 
 def _on_hpu_backend(model, flags, training=False):
-    """What loading.set_kernels does for a model on an HPU, with the CPU tensors the double works on."""
-    from polyfuse.ops.attention import options_from_flags
+    """The model moved to the HPU (the double's under ``hf``) with its kernels resolved there for ``flags``."""
+    from polyfuse.loader import load as loading
 
-    dtype = next(model.parameters()).dtype
-    model.kernels = registry.resolve(SelectionContext(HPU, dtype, flags=dict(flags), training=training))
-    model.runtime = get_runtime("hpu")
-    model.flags = dict(flags)
-    model.attention_options = options_from_flags(flags)
+    model = model.to("hpu")
+    model.init_buffers(model.device)
+    loading.set_kernels(model, dict(flags), training=training)
     return model
 
 
@@ -975,8 +999,8 @@ def test_polyfuse_model_trains_right_padded_batch_through_fused_sdpa(hf, lazy):
     from polyfuse.models.llama import LlamaForCausalLM
 
     cfg = _tiny_cfg()
-    ids = torch.randint(10, 100, (2, 8), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, 8, dtype=torch.long)
+    ids = torch.randint(10, 100, (2, 8), generator=torch.Generator().manual_seed(0), device="cpu")
+    mask = torch.ones(2, 8, dtype=torch.long, device="cpu")
     mask[1, 5:] = 0  # right padding
     labels = ids.masked_fill(mask == 0, -100)
     ref = LlamaForCausalLM.from_config(cfg, seed=4, training=True)
@@ -985,12 +1009,12 @@ def test_polyfuse_model_trains_right_padded_batch_through_fused_sdpa(hf, lazy):
     hf.reset()
     losses = []
     for m in (ref, model):
-        loss = m(ids, attention_mask=mask, labels=labels).loss
+        loss = m(ids.to(m.device), attention_mask=mask.to(m.device), labels=labels.to(m.device)).loss
         loss.backward()
-        losses.append(loss)
+        losses.append(loss.cpu())
     torch.testing.assert_close(losses[1], losses[0], **TOL[torch.float32])
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=1e-5, rtol=1e-4, msg=n)
     sdpa = hf.calls("FusedSDPA")
     assert len(sdpa) == cfg.num_hidden_layers
     for args, _ in sdpa:
@@ -1004,18 +1028,20 @@ def test_patch_path_keeps_the_padding_mask(hf, lazy):
 
     from polyfuse.patch import patch
 
-    model = tiny_llama(seed=0).eval()
-    ids = torch.randint(10, 200, (2, 8), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, 8, dtype=torch.long)
+    with torch.device("cpu"):
+        model = tiny_llama(seed=0).eval()
+        ids = torch.randint(10, 200, (2, 8), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0  # left padding
     with torch.no_grad():
         want = model(ids, attention_mask=mask).logits
     flags = {"use_flash_attention": True, "flash_attention_causal_mask": True}
+    model.to("hpu")
     handle = patch(model, device="hpu", flags=flags, training=False)
     assert handle.kernels.choices["attention"].implementation.name == "fused_sdpa"
     hf.reset()
     with torch.no_grad():
-        got = model(ids, attention_mask=mask).logits
+        got = model(ids.to("hpu"), attention_mask=mask.to("hpu")).logits.cpu()
     sdpa = hf.calls("FusedSDPA")
     assert sdpa and all(args[3] is not None and args[5] is False for args, _ in sdpa)
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
@@ -1025,7 +1051,7 @@ def test_patch_path_keeps_the_padding_mask(hf, lazy):
 # -- device hpu from Python: the bridge import, sampling generators ---------------------------------------------------
 
 
-def test_hpu_runtime_imports_the_bridge(hf):
+def test_hpu_runtime_imports_the_bridge(hf_bare):
     """Asking for device hpu imports habana_frameworks.torch (which registers the device with torch), as
     optimum-habana's setup_device does; nobody has to import it first."""
     assert "habana_frameworks.torch" not in sys.modules
@@ -1037,7 +1063,7 @@ class _Stop(Exception):
     pass
 
 
-def test_from_config_on_hpu_imports_the_bridge_before_allocating(hf, monkeypatch):
+def test_from_config_on_hpu_imports_the_bridge_before_allocating(hf_bare, monkeypatch):
     from polyfuse.models.llama import LlamaForCausalLM
 
     seen = []
@@ -1179,6 +1205,11 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
     model = LlamaForCausalLM.from_config(cfg, seed=4).to(dev).eval()
     if habana.double is not None:
         want = LlamaForCausalLM.from_config(cfg, seed=4).eval().generate(ids, mask, **kw)
+        if graphs and not habana.lazy:  # refused when the kernels are set, before anything runs
+            with pytest.raises(ValueError, match="set PT_HPU_LAZY_MODE=1"):
+                _on_hpu_backend(model, flags)
+            assert "wrap_in_hpu_graph" not in _names(habana.double)
+            return
         _on_hpu_backend(model, flags)
         habana.double.reset()
     else:  # a real Gaudi: the same kernels without graphs are the reference for the graphed run
@@ -1210,12 +1241,14 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
         return
     names = _names(habana.double)
     assert names.count("FusedRMSNorm") > 0 and names.count("RotaryPosEmbeddingHelperV2") > 0
-    # Lazy: mark_step after each token and before each of 2 layers in each forward (1 prefill + 9 decode steps).
-    assert names.count("mark_step") == (new_tokens + 2 * new_tokens if habana.lazy else 0)
+    # Lazy: mark_step after each token and before each of 2 layers in each forward the Python runs: all 10 (1 prefill
+    # + 9 decode steps) without graphs; with them only the captures and the bypassed prompt (a replay runs no Python).
+    python_forwards = len(set(keys)) + bool(flags.get("limit_hpu_graphs")) if graphs else new_tokens
+    assert names.count("mark_step") == (new_tokens + 2 * python_forwards if habana.lazy else 0)
     assert "mark_step_in_eager_mode" not in names
     sdpa = habana.double.calls("FusedSDPA")
     if flags.get("use_flash_attention"):
-        assert len(sdpa) == 2 * new_tokens
+        assert len(sdpa) == 2 * python_forwards
         prefill_args, decode_args = sdpa[0][0], sdpa[-1][0]
         assert decode_args[4:] == (0.0, False, None, "None", False, None, "None") and decode_args[3] is not None
         assert decode_args[1].shape[1] == cfg.num_key_value_heads  # GQA: the cache slice itself, unrepeated
@@ -1240,13 +1273,14 @@ def test_generation_through_hpu_backend(habana, flags, bucket_size):
         ("lazy", {"torch_compile": True}, "PT_HPU_LAZY_MODE=0"),
     ],
 )
-def test_flag_checks_refuse_what_the_mode_cannot_run_before_loading(hf, request, mode, flags, needle):
+def test_flag_checks_refuse_what_the_mode_cannot_run_before_loading(monkeypatch, mode, flags, needle):
     """--use_hpu_graphs in eager mode / --torch_compile in lazy mode: one line naming what to set, from the flag
     check that runs before the model is loaded (not at the first generate)."""
     from polyfuse.core.flags import check_flags
 
-    request.getfixturevalue(mode)
+    _import_double(monkeypatch, mode == "lazy")
     with pytest.raises(ValueError, match=needle):
         check_flags("hpu", flags)
     ok, _ = check_flags("hpu", {"use_hpu_graphs": mode == "lazy", "torch_compile": mode == "eager"})
     assert ok["use_hpu_graphs"] == (mode == "lazy")
+    _forget_habana()

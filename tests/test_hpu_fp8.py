@@ -18,18 +18,27 @@ from polyfuse.ops.quant_linear import linear_q_native
 def gaudi(monkeypatch, request):
     """The double imported as the Gaudi generation of the parameter; yields (double, generation)."""
     monkeypatch.setenv("HABANA_DOUBLE_DEVICE", request.param)
-    yield _import_double(monkeypatch, None), request.param
+    double = _import_double(monkeypatch, None)
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device)
+
+    torch.set_default_device("hpu")  # the tensors below are HPU tensors, as on a Gaudi
+    yield double, request.param
+    torch.set_default_device(None)
     _forget_habana()
 
 
+def _host_randn(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), device="cpu")
+
+
 def _weight(n=48, k=64, seed=0):
-    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return (_host_randn(n, k, seed=seed) * 0.05).to(torch.get_default_device())
 
 
 def _rows(m=5, k=64, seed=1, dtype=torch.bfloat16):
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x = _host_randn(m, k, seed=seed)
     x[1, 7] = 9.0  # an outlier: its row's scale is set by it
-    return x.to(dtype)
+    return x.to(dtype).to(torch.get_default_device())
 
 
 def _fit(qw: QuantizedWeight) -> QuantizedWeight:
@@ -48,7 +57,7 @@ def HPU_RUNTIME():  # noqa: N802
 def test_fp8_gemm_is_inc_arithmetic(gaudi):
     """The activations cast per token with the device's fullscale (240 on Gaudi2, 448 on Gaudi3) and INC's dynamic
     backoff (each row's largest value at half of it), then one fp8 GEMM with the per-token and per-channel scales,
-    the weight [N, K] transposed by the GEMM: bit for bit what the same steps give by hand, and the recorded calls
+    in INC's form (the weight as a [K, N] copy, trans_B=False): bit for bit what the same steps give by hand, and the recorded calls
     carry INC's argument order. (This checks the implementation against the double's reading of the ops; only the
     hardware test below checks the reading.)"""
     hf, gen = gaudi
@@ -65,11 +74,14 @@ def test_fp8_gemm_is_inc_arithmetic(gaudi):
     torch.testing.assert_close(y, expect, rtol=0, atol=0)
     (cast,) = hf.calls("cast_to_fp8_v2")
     assert cast[0][2:5] == (False, False, FP8)
-    torch.testing.assert_close(cast[0][1], 1.0 / scale)
+    torch.testing.assert_close(cast[0][1], (1.0 / scale).cpu())  # Habana's op is handed the device's buffers
     (gemm,) = hf.calls("fp8_gemm_v2")
     a, trans_a, b, trans_b, d, out_dtype, a_scale, b_scale, bias, acc, _ = gemm[0]
-    assert (trans_a, trans_b, d, out_dtype, bias, acc) == (False, True, None, torch.bfloat16, None, False)
-    assert b is qw.qweight and a_scale.shape == (5, 1) and b_scale.shape == (48,)
+    assert (trans_a, trans_b, d, out_dtype, bias, acc) == (False, False, None, torch.bfloat16, None, False)
+    assert b.shape == (64, 48) and b.is_contiguous() and torch.equal(b.cpu().float(), qw.qweight.cpu().float().t())
+    assert a_scale.shape == (5, 1) and b_scale.shape == (48,)
+    fp8_linear.fp8_gemm(x, qw)  # the copy is made once per weight
+    assert hf.calls("fp8_gemm_v2")[1][0][2] is b
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -78,7 +90,7 @@ def test_fp8_gemm_near_the_weight_only_reference(gaudi, dtype):
     (a few percent of the outputs' rms), with a bias and a 3-D input."""
     qw = _fit(quantize("fp8", _weight(seed=2)))
     x = _rows(m=6, seed=3, dtype=dtype).view(2, 3, 64)
-    bias = torch.randn(48, generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias = _host_randn(48, seed=4).to(dtype).to("hpu")
     y = fp8_linear.fp8_gemm(x, qw, bias)
     ref = linear_q_native(x, quantize("fp8", _weight(seed=2)), bias)
     assert y.shape == ref.shape == (2, 3, 48) and y.dtype == dtype
@@ -195,10 +207,10 @@ def test_quantized_model_runs_habanas_fp8_gemm(gaudi, dtype):
     q.finalize(model)  # what loading does once the weights are in: the runtime fits them to the device
     qs = qlinear.quantized_modules(model)
     assert not any(rows_out_of_range(m.qweight).any() for m in qs.values()) or gen == "gaudi3"
-    ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0), device="cpu")
     hf.reset()
     with torch.inference_mode():
-        got = model(ids).logits.float()
+        got = model(ids.to("hpu")).logits.float().cpu()
         want = ref(ids).logits.float()
     assert len(hf.calls("fp8_gemm_v2")) == len(qs) == 4 * cfg.num_hidden_layers
     assert torch.isfinite(got).all()

@@ -23,16 +23,22 @@ def hf(monkeypatch):
     double = _import_double(monkeypatch, None)
     import habana_frameworks.torch  # noqa: F401
 
+    torch.set_default_device("hpu")  # the tensors below are HPU tensors, as on a Gaudi
     yield double
+    torch.set_default_device(None)
     _forget_habana()
 
 
+def _host(fn, *args, seed, **kw):
+    return fn(*args, generator=torch.Generator().manual_seed(seed), device="cpu", **kw).to(torch.get_default_device())
+
+
 def _weight(n=48, k=256, seed=0):
-    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return _host(torch.randn, n, k, seed=seed) * 0.05
 
 
 def _rows(m=5, k=256, seed=1, dtype=torch.float32):
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return _host(torch.randn, m, k, seed=seed).to(dtype)
 
 
 def _err(a, b):
@@ -43,7 +49,7 @@ def test_double_reads_habanas_layout(hf):
     """The double's convert_from_uint4: value j of word c (low bits first) is column 8 c + j, a [G, N] scale covers
     blocks of K / G rows, a zero point packed like the input or unpacked in the scale's dtype, and the bridge's
     refusals (non-int32 input, a scale that does not divide the output)."""
-    q = torch.randint(0, 16, (4, 16), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    q = _host(torch.randint, 0, 16, (4, 16), seed=0, dtype=torch.int32)
     words = int4_linear.pack_rows(q)
     assert words.shape == (4, 2) and words.dtype == torch.int32
     assert int(words[1, 1]) & 15 == int(q[1, 8]) and (int(words[1, 1]) >> 28) & 15 == int(q[1, 15])
@@ -77,9 +83,10 @@ def test_uint4_matmul_is_the_reference_with_bf16_scales(hf, acts):
     gathered to match."""
     qw = quantize("int4", _weight())
     if acts == "act_order":
-        qw = act_order(qw)
+        with torch.device("cpu"):
+            qw = act_order(qw)
     x = _rows(m=6, dtype=torch.bfloat16).view(2, 3, 256)
-    bias = torch.randn(48, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    bias = _host(torch.randn, 48, seed=4).to(torch.bfloat16)
     hf.reset()
     y = int4_linear.uint4_matmul(x, qw, bias)
     ref = linear_q_native(x.float(), _bf16_scales(qw), bias.float())
@@ -91,7 +98,7 @@ def test_uint4_matmul_is_the_reference_with_bf16_scales(hf, acts):
     assert zeros.shape == (2, 6) and scales.shape == (2, 48) and scales.dtype == torch.bfloat16
     packed = int4_linear.prepare(qw)
     assert (packed.perm is None) == (acts == "in_order")
-    w = torch.ops.hpu.convert_from_uint4(words, scales, zeros, torch.bfloat16)
+    w = torch.ops.hpu.convert_from_uint4(words.to("hpu"), scales.to("hpu"), zeros.to("hpu"), torch.bfloat16)
     want = dequantize(_bf16_scales(qw), torch.bfloat16).t()
     assert torch.equal(w, want if packed.perm is None else want[packed.perm])
 
@@ -110,7 +117,9 @@ def test_conformance_cases_through_the_hpu_chain(hf, dtype, caplog):
     registry._warned.clear()
     ran = 0
     with caplog.at_level(logging.WARNING):
-        for name, make in cases_linear_q(torch.device("cpu"), dtype, big=False):
+        with torch.device("cpu"):  # the cases draw on the host from seeded generators, then move to the HPU
+            cases = cases_linear_q(torch.device("hpu"), dtype, big=False)
+        for name, make in cases:
             if name.startswith("fp8"):
                 continue
             args, kwargs, _ = make()
@@ -225,10 +234,10 @@ def test_int4_model_runs_habanas_dequantization(hf, dtype):
     copies = [int4_linear._PACKED.get(m.qweight) for m in qs.values()]
     bf16 = dtype == torch.bfloat16
     assert all((c is not None) == bf16 for c in copies)
-    ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(10, 300, (2, 9), generator=torch.Generator().manual_seed(0), device="cpu")
     hf.reset()
     with torch.inference_mode():
-        got = model(ids).logits.float()
+        got = model(ids.to("hpu")).logits.float().cpu()
         want = ref(ids).logits.float()
     assert len(hf.calls("convert_from_uint4")) == (len(qs) if bf16 else 0) and len(qs) == 4 * cfg.num_hidden_layers
     assert [int4_linear._PACKED.get(m.qweight) for m in qs.values()] == copies  # the same objects: none remade

@@ -197,7 +197,7 @@ def test_sigint_before_anything_finished_leaves_no_folder(capsys, tiny, tmp_path
 @pytest.mark.slow
 def test_builtin_chat_model_without_template_says_how_to_ask(capsys, tmp_path):
     rc, out, err = run_main(capsys, *FAST, "--prompt", "What is the capital of France?", "--use_kv_cache",
-                            "--output_dir", tmp_path)  # fmt: skip
+                            "--output_dir", tmp_path, "--no-ignore_eos")  # fmt: skip
     assert rc == 0, err
     (warning,) = lines(err, "warning:")
     assert "ended at its first token (EOS)" in warning and "--use_chat_template" in warning

@@ -196,6 +196,9 @@ def habana(monkeypatch):
     from polyfuse.backends.hpu import _habana
 
     def forget():
+        double = sys.modules.get("habana_frameworks")
+        if double is not None and getattr(double, "TEST_DOUBLE", False):
+            double.shutdown()  # the double's hpu device goes with it
         for name in list(sys.modules):
             if name == "habana_frameworks" or name.startswith("habana_frameworks."):
                 del sys.modules[name]
@@ -205,6 +208,7 @@ def habana(monkeypatch):
     monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
     monkeypatch.syspath_prepend(str(DOUBLE))
     import habana_frameworks
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device)
 
     assert habana_frameworks.TEST_DOUBLE
     habana_frameworks.reset()
@@ -213,16 +217,12 @@ def habana(monkeypatch):
 
 
 def on_hpu(model, flags):
-    """What set_kernels does for a model on a Gaudi, on the CPU tensors the double works on."""
-    from polyfuse.core import registry
-    from polyfuse.core.context import SelectionContext
-    from polyfuse.core.runtime import get_runtime
-    from polyfuse.ops.attention import options_from_flags
+    """The model moved to the double's HPU, its kernels resolved there for ``flags``."""
+    from polyfuse.loader import load as loading
 
-    model.kernels = registry.resolve(SelectionContext(torch.device("hpu"), model.dtype, flags=dict(flags)))
-    model.runtime = get_runtime("hpu")
-    model.flags = dict(flags)
-    model.attention_options = options_from_flags(flags)
+    model.to("hpu")
+    model.init_buffers(model.device)
+    loading.set_kernels(model, dict(flags))
     model.steps = None
     return model
 
@@ -260,10 +260,12 @@ def test_hpu_graphs_per_k_and_none_per_accepted_length(habana, method, tmp_path)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(0)
             for p in draft.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.004)
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device) * 0.004)
         spec = dict(assistant_model=draft, num_assistant_tokens=k)
     else:
-        heads = load_eagle3(write_eagle3(tmp_path, native, seed=2, layer_ids=[0, 2, 4]), native)
+        heads = load_eagle3(
+            write_eagle3(tmp_path, native, seed=2, layer_ids=[0, 2, 4]), target
+        )  # the target's embedding
         spec = dict(speculative_model=on_hpu(heads, flags), num_speculative_tokens=k)
     prompts = [torch.tensor([[11, 12, 13, 14, 11, 12, 13]]), torch.tensor([[20, 21, 22, 20, 21, 22, 20]]),
                torch.tensor([[5, 60, 61, 62, 5, 60, 61]])]  # fmt: skip
@@ -271,8 +273,8 @@ def test_hpu_graphs_per_k_and_none_per_accepted_length(habana, method, tmp_path)
     accepted = []
     for i, ids in enumerate(prompts):
         stats = Recorder()
-        got = target.generate(ids, max_new_tokens=20, ignore_eos=True, hooks=stats, **spec)
-        assert torch.equal(got, native.generate(ids, max_new_tokens=20, ignore_eos=True))
+        got = target.generate(ids.to("hpu"), max_new_tokens=20, ignore_eos=True, hooks=stats, **spec)
+        assert torch.equal(got.cpu(), native.generate(ids, max_new_tokens=20, ignore_eos=True))
         accepted.append(stats.stats.accepted)
         if i == 0:
             graphs_after_first = len(set(keys))

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from polyfuse.cli.habana_options import add_habana_options
 from polyfuse.cli.kernel_options import add_kernel_options
 from polyfuse.cli.speculative_options import add_speculative_options
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _gaudi_options(p)
     _output_options(p)
     add_speculative_options(p)  # polyfuse/cli/speculative_options.py
+    add_habana_options(p)  # polyfuse/cli/habana_options.py: the rest of optimum-habana's run_generation.py flags
     return p
 
 
@@ -153,7 +155,8 @@ def _generation_options(p) -> None:
         help="nucleus sampling: the smallest set of this much probability",
     )
     a("--seed", type=int, default=27, metavar="N", help="random seed (sampling)")
-    a("--ignore_eos", action=argparse.BooleanOptionalAction, default=False, help="keep generating past EOS")
+    a("--ignore_eos", action=argparse.BooleanOptionalAction, default=True,
+      help="keep generating past EOS (optimum-habana's default; --no-ignore_eos stops at it)")  # fmt: skip
     a("--num_beams", type=int, default=1, metavar="N", help="beam search with this many beams")
     a("--num_return_sequences", type=int, default=1, metavar="N",
       help="sequences per prompt (with --do_sample, or <= --num_beams)")  # fmt: skip
@@ -186,7 +189,7 @@ def _device_options(p) -> None:
         metavar="{auto,cpu,cuda,hpu}",
         help="auto: hpu, then cuda, then cpu",
     )
-    a("--use_flash_attention", action="store_true",
+    a("--use_flash_attention", nargs="?", const=True, default=False, type=_bool_or_none, metavar="BOOL",
       help="fused attention (Gaudi FusedSDPA; NVIDIA: Triton decode + SDPA flash prefill); else eager")  # fmt: skip
     a("--use_cuda_graphs", action="store_true", help="NVIDIA: replay the decode step as a CUDA graph")
     a("--cuda_graph_prefill", action="store_true", help="NVIDIA, with --use_cuda_graphs: graph the prompt step too")
@@ -223,8 +226,24 @@ def _gaudi_options(p) -> None:
     a = g.add_argument
     a("--use_hpu_graphs", action="store_true", help="wrap the steps in HPU graphs")
     a("--limit_hpu_graphs", action="store_true", help="no HPU graph for the first token")
-    a("--flash_attention_recompute", action="store_true", help="FusedSDPA recompute mode on the first token")
-    a("--flash_attention_causal_mask", action="store_true", help="FusedSDPA causal flag + valid sequence lengths")
+    a(
+        "--flash_attention_recompute",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool_or_none,
+        metavar="BOOL",
+        help="FusedSDPA recompute mode on the first token",
+    )
+    a(
+        "--flash_attention_causal_mask",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_bool_or_none,
+        metavar="BOOL",
+        help="FusedSDPA causal flag + valid sequence lengths",
+    )
     a("--flash_attention_fast_softmax", nargs="?", const=True, default=None, type=_bool_or_none, metavar="BOOL",
       help="FusedSDPA fast softmax (default: on with --use_flash_attention on Gaudi)")  # fmt: skip
     a("--attn_softmax_bf16", action="store_true", help="eager attention: softmax in bf16")

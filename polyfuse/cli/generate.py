@@ -69,6 +69,10 @@ def validate(args) -> None:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.temperature > 0 and not args.do_sample:  # optimum-habana's README gives --temperature 0 to greedy
+        print(f"warning: --temperature {args.temperature} changes nothing without --do_sample (greedy)",
+              file=sys.stderr)  # fmt: skip
+        args.temperature = 1.0
     if not args.temperature > 0:
         raise UsageError(f"--temperature must be > 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 0:
@@ -508,7 +512,7 @@ class Runs:
     def __init__(self, args, model, tokenizer, texts: list[str], groups: list[list[int]], device):
         self.args, self.model, self.tokenizer, self.texts, self.groups = args, model, tokenizer, texts, groups
         self.device = device
-        self.gen = torch.Generator(device=device if device.type != "hpu" else "cpu").manual_seed(args.seed)
+        self.gen = model.runtime.sampling_generator(args.seed)  # HPU: None, its default generator seeded
         self.last = None  # [(rows, ids, out)] per batch of the last finished run
         self.timed: list[list[dict]] = []
         self.warmup_s, self.graphs, self.interrupted = None, None, False
@@ -571,13 +575,16 @@ def iteration_line(i: int, n: int, batches: list[dict]) -> str:
 
 
 def warn_chat_model(args, tokenizer, runs: Runs) -> None:
-    """A chat model asked without its template often ends at once: one warning saying how to ask it."""
+    """A chat model asked without its template often answers EOS at once: one warning saying how to ask it (with
+    --ignore_eos, optimum-habana's default, generation goes on past that EOS)."""
     eos = tokenizer.eos_token_id
-    if args.use_chat_template or args.ignore_eos or eos is None or not getattr(tokenizer, "chat_template", None):
+    if args.use_chat_template or eos is None or not getattr(tokenizer, "chat_template", None):
         return
     if all(out.shape[1] > ids.shape[1] and bool((out[:, ids.shape[1]] == eos).all()) for _, ids, out in runs.last):
-        print("warning: every output ended at its first token (EOS): this is a chat model (its tokenizer has a chat "
-              "template); add --use_chat_template (or give --chat_file) to ask it in that form", file=sys.stderr)  # fmt: skip
+        what = ("began with EOS (generation went on past it: --ignore_eos is optimum-habana's default)"
+                if args.ignore_eos else "ended at its first token (EOS)")  # fmt: skip
+        print(f"warning: every output {what}: this is a chat model (its tokenizer has a chat template); add "
+              "--use_chat_template (or give --chat_file) to ask it in that form", file=sys.stderr)  # fmt: skip
 
 
 def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
@@ -621,6 +628,10 @@ def run(args) -> dict:
     from polyfuse.core.flags import check_flags
 
     validate(args)
+    from polyfuse.cli.habana_options import apply_habana_options  # optimum-habana's other flags
+
+    for w in apply_habana_options(args):
+        print(f"warning: {w}", file=sys.stderr)
     inputs = read_inputs(args)
     device = pick_device(args.device)
     if args.flash_attention_fast_softmax is None:
@@ -633,8 +644,14 @@ def run(args) -> dict:
     flags, warnings = check_flags(device.type, flags)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
+    from polyfuse.quant import inc  # QUANT_CONFIG: Intel Neural Compressor's fp8 flow, as optimum-habana runs it
+
+    refused = inc.refusal(device.type, getattr(args, "quant", None))
+    if refused:
+        raise UsageError(refused)
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
+    inc_run = inc.start(model)
     texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
 
@@ -650,6 +667,9 @@ def run(args) -> dict:
     if runs.last is None:
         raise Interrupted("interrupted before any run finished: nothing written")
     warn_chat_model(args, tokenizer, runs)
+    done = inc.finish(inc_run, model)  # MEASURE: the measurement files are written here
+    if done:
+        print(done, file=sys.stderr)
     result = collect(args, runs, used, device, flags)
     print_report(result, args)
     written = None

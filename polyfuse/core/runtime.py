@@ -37,6 +37,9 @@ class DeviceRuntime:
     # Greedy decoding runs the engine's TokenStep (the whole token, in place on persistent buffers) through
     # graph_module(..., "token", ...); False keeps the per-token loop (argmax and bookkeeping outside the step).
     inplace_decode = True
+    # Every new tensor shape costs a graph compilation (Gaudi): generation keeps shapes static where it can (the
+    # cache-less forward over prompt + max_new_tokens positions).
+    static_shapes = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -55,6 +58,11 @@ class DeviceRuntime:
 
     def synchronize(self) -> None:
         pass
+
+    def sampling_generator(self, seed: int) -> Optional[torch.Generator]:
+        """The generator sampling draws from, seeded: one on the device; None where torch has no generator for the
+        device and the device's default one was seeded instead (HPU), so no token's probabilities leave it."""
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def mark_step(self) -> None:
         """Step boundary for lazy-mode devices (HPU). A no-op everywhere else."""

@@ -46,6 +46,10 @@ _VARIABLES = (
     Variable("LOCAL_RANK", int, None, "this process's rank on its host (its device index)", "torchrun"),
     Variable("PT_HPU_LAZY_MODE", bool, False, "Habana lazy mode; asked only where the bridge cannot be (its own "
              "is_lazy() answers otherwise)", "Habana"),
+    Variable("PT_HPU_ENABLE_LAZY_COLLECTIVES", bool, False, "collectives inside lazy-mode HPU graphs; polyfuse sets "
+             "it to true where unset for a multi-card run, as optimum-habana does", "Habana"),
+    Variable("QUANT_CONFIG", str, None, "Intel Neural Compressor's fp8 configuration (mode MEASURE or QUANTIZE), read "
+             "by run_generation.py as optimum-habana's reads it", "Intel Neural Compressor"),
     Variable("TRITON_INTERPRET", bool, False, "run Triton kernels in the CPU interpreter (the tests do)", "Triton"),
     Variable("FSDP_SYNC_MODULE_STATES", str, None, "set to false for a CPU-only FSDP run that did not ask for it",
              "accelerate", read=False),

@@ -82,19 +82,56 @@ def _ranked(main, argv, tensor_parallel: bool = True) -> int:
     os._exit(code)
 
 
-def spawn_main(argv=None) -> int:
-    """``python examples/spawn.py --world_size N [--master_port P] script.py [script args]``."""
+def spawn_parser() -> argparse.ArgumentParser:
+    """optimum-habana's gaudi_spawn.py arguments, same spelling and defaults (``--main_process_port``: accelerate's
+    name for the port, accepted too)."""
     p = argparse.ArgumentParser(
         description="Run a script on N local devices with torchrun's machinery (optimum-habana's gaudi_spawn.py form)"
     )
     p.add_argument("--world_size", type=int, default=1, help="processes (devices) on this machine")
-    p.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--hostfile", type=str, default=None, help="multi-node host file (refused: one machine only)")
+    p.add_argument("--use_mpi", action="store_true", help="accepted; the ranks are started by torchrun, not mpirun")
+    p.add_argument(
+        "--use_deepspeed",
+        action="store_true",
+        help="start the ranks with DeepSpeed's launcher where DeepSpeed is installed (else torchrun, with a warning); "
+        "the model is still sharded by polyfuse's tensor parallelism",
+    )
+    p.add_argument("--master_port", "--main_process_port", type=int, default=None,
+                   help="rendezvous port (default: a free one; gaudi_spawn's default is 29500)")  # fmt: skip
     p.add_argument("script", help="the script every rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
-    args = p.parse_args(argv)
+    return p
+
+
+def _deepspeed_command(args) -> list:
+    """DeepSpeed's launcher on this machine, which sets RANK / LOCAL_RANK / WORLD_SIZE for each rank as torchrun."""
+    port = ["--master_port", str(args.master_port)] if args.master_port else []
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.world_size), *port,
+            args.script, *args.script_args]  # fmt: skip
+
+
+def spawn_main(argv=None) -> int:
+    """``python examples/spawn.py --world_size N [--use_deepspeed] [--master_port P] script.py [script args]``."""
+    import importlib.util
+    import subprocess
+
+    args = spawn_parser().parse_args(argv)
     if args.world_size < 1:
         print(f"error: --world_size must be >= 1, got {args.world_size}", file=sys.stderr)
         return 2
+    if args.hostfile:
+        print(f"error: --hostfile {args.hostfile}: multi-node runs are not supported (one machine, --world_size "
+              "processes)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.use_mpi:
+        print("warning: --use_mpi: the ranks are started by torchrun (the same processes and environment)",
+              file=sys.stderr)  # fmt: skip
+    if args.use_deepspeed:
+        if importlib.util.find_spec("deepspeed") is not None:
+            return subprocess.call(_deepspeed_command(args))
+        print("warning: --use_deepspeed: DeepSpeed is not installed; the ranks are started by torchrun (polyfuse's "
+              "tensor parallelism shards the model either way)", file=sys.stderr)  # fmt: skip
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -37,6 +37,41 @@ class CachedFeed:
         return self.decode(self.kv_len(i), tokens[:, None], self.first_pos + i, self.cache_position, self.key_mask)
 
 
+class StaticFullForwardFeed:
+    """No cache on a device that compiles per shape (``runtime.static_shapes``: Gaudi): the forward always runs over
+    prompt + max_new_tokens positions, the future ones masked out, each new token written at a device-side column
+    (optimum-habana's static shapes with ``token_idx``), so every token is the same graph. The logits of the last
+    real position are those of the growing forward: causal attention never lets a position see a later one."""
+
+    def __init__(self, model, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, pad_token_id: int):
+        rows, n = input_ids.shape
+        self.model = model
+        self.ids = torch.full((rows, n + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        self.ids[:, :n] = input_ids
+        self.mask = torch.zeros(rows, n + max_new_tokens, dtype=torch.bool, device=mask.device)
+        self.mask[:, :n] = mask
+        self.last = torch.full((1,), n - 1, dtype=torch.long, device=input_ids.device)
+
+    def logits(self) -> torch.Tensor:
+        pos = (self.mask.long().cumsum(-1) - 1).masked_fill(~self.mask, 1)
+        logits = self.model(self.ids, attention_mask=self.mask, position_ids=pos).logits
+        return logits.index_select(1, self.last).squeeze(1)
+
+    def _append(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.last.add_(1)
+        self.ids.index_copy_(1, self.last, tokens[:, None].to(self.ids.dtype))
+        self.mask.index_fill_(1, self.last, True)
+        return self.logits()
+
+    def __call__(self, tokens: torch.Tensor, i: int) -> torch.Tensor:
+        return self._append(tokens)
+
+    def beams(self, tokens: torch.Tensor, beam_idx: torch.Tensor, i: int) -> torch.Tensor:
+        self.ids = self.ids.index_select(0, beam_idx)
+        self.mask = self.mask.index_select(0, beam_idx)
+        return self._append(tokens)
+
+
 class FullForwardFeed:
     """No cache: the model's cache-less forward over prompt + tokens so far, every token (the baseline the KV cache
     is measured against)."""

@@ -18,7 +18,7 @@ import torch
 
 from polyfuse.generation.beam_search import beam_search
 from polyfuse.generation.decoding import Decoding
-from polyfuse.generation.feeds import CachedFeed, FullForwardFeed
+from polyfuse.generation.feeds import CachedFeed, FullForwardFeed, StaticFullForwardFeed
 from polyfuse.generation.greedy import greedy_in_place
 from polyfuse.generation.options import GenerationOptions, check_generation_options, check_runtime_objects
 from polyfuse.generation.prefill import prefill, prompt_key_mask
@@ -106,8 +106,13 @@ def decode_cached(d: Decoding) -> torch.Tensor:
 
 
 def decode_without_cache(d: Decoding) -> torch.Tensor:
-    """Every token from a forward of the whole sequence so far."""
-    feed = FullForwardFeed(d.model, d.prompts.input_ids, d.prompts.mask)
+    """Every token from a forward of the whole sequence so far (of prompt + max_new_tokens positions, the future
+    masked, where the runtime compiles per shape)."""
+    p = d.prompts
+    if getattr(d.model.runtime, "static_shapes", False):
+        feed = StaticFullForwardFeed(d.model, p.input_ids, p.mask, p.max_new_tokens, p.pad_token_id)
+    else:
+        feed = FullForwardFeed(d.model, p.input_ids, p.mask)
     d.start()
     logits = feed.logits()
     if d.options.num_beams > 1:

@@ -23,6 +23,9 @@ class TokenPicker:
         self.can_finish = self.eos is not None or d.stop is not None
         self.finished = torch.zeros(p.rows, dtype=torch.bool, device=device)
         self.out = torch.full((p.rows, p.max_new_tokens), p.pad_token_id, dtype=p.input_ids.dtype, device=device)
+        # The column written next, a device tensor advanced in place (optimum-habana's token_idx): a Python index
+        # would be a constant of every token's graph, one compilation per token on a lazy-mode Gaudi.
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.seen = None  # the repetition penalty's seen ids [rows, vocab], made at the first logits
 
     def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -36,7 +39,8 @@ class TokenPicker:
             tok = torch.where(self.finished, torch.full_like(tok, p.pad_token_id), tok)
         if self.eos is not None:
             self.finished.logical_or_(torch.isin(tok, self.eos))
-        self.out[:, i] = tok
+        self.out.index_copy_(1, self.col, tok[:, None].to(self.out.dtype))
+        self.col.add_(1)
         if self.seen is not None:
             mark_seen_(self.seen, tok)
         if self.d.stop is not None:

@@ -336,6 +336,15 @@ def from_pretrained(
     return model
 
 
+def init_generator(device, seed: int) -> torch.Generator:
+    """A generator on ``device``, or on the host where torch has none for the device (HPU: Habana seeds its device's
+    default generator through habana_frameworks.torch.hpu.random; ``torch.Generator(device="hpu")`` raises)."""
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError:
+        return torch.Generator().manual_seed(seed)
+
+
 def from_config(
     model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0, tp=None,
     quant=None,
@@ -346,7 +355,7 @@ def from_config(
     dtype = dtype_of(dtype) or torch.float32
     qsetup = quantize.for_random_weights(quant, device, dtype)  # benchmarks: random weights, quantized
     model = build(model_cls, config, dtype, device, flags, overrides, training, tp, qsetup)
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    gen = init_generator(model.device, seed)
     std = getattr(config, "initializer_range", 0.02)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -354,8 +363,10 @@ def from_config(
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            else:
+            elif gen.device.type == p.device.type:
                 p.normal_(0.0, std, generator=gen)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0.0, std, generator=gen))
     if qsetup is not None:
         quantize.init_random_(model, gen, std)
     return model

@@ -103,17 +103,23 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scores = torch.matmul(q, k.transpose(2, 3)) * meta.scale
+    """Grouped-query heads without repeating k/v: the n_rep query heads of each kv head are folded into the rows of
+    one matmul ([B, Hkv, n_rep * Lq, D] @ [B, Hkv, D, Lk]), so the KV cache is read as it is, with no copy per layer
+    and token (a repeated k/v is n_rep times the KV traffic); head h = g * n_rep + r, as ``repeat_kv`` orders them."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    n_rep = hq // hkv
+    scores = torch.matmul(q.reshape(b, hkv, n_rep * lq, d), k.transpose(2, 3)) * meta.scale
     mask = meta.mask
-    if mask is None and meta.is_causal and (q.shape[2] > 1 or meta.window is not None):
-        mask = causal_mask(q.shape[2], k.shape[2], q.device, scores.dtype, meta.window)
+    if mask is None and meta.is_causal and (lq > 1 or meta.window is not None):
+        mask = causal_mask(lq, lk, q.device, scores.dtype, meta.window)
     if mask is not None:
-        scores = scores + mask
+        grouped = scores.view(b, hkv, n_rep, lq, lk)
+        m = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(mask.shape[0], hkv, n_rep, lq, lk)
+        scores = (grouped + m).view(b, hkv, n_rep * lq, lk)
     softmax_dtype = q.dtype if meta.softmax_bf16 else torch.promote_types(q.dtype, torch.float32)
     probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(probs, v).view(b, hq, lq, d)
 
 
 SPEC = declare(

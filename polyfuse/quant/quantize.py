@@ -569,7 +569,8 @@ def init_random_(model, generator: torch.Generator, std: float) -> None:
     for q in quantized_modules(model).values():
         start = 0
         for size in q.parts:
-            w = torch.empty(size, q.in_features, device=q.qweight.device).normal_(0.0, std, generator=generator)
+            w = torch.empty(size, q.in_features, device=generator.device).normal_(0.0, std, generator=generator)
+            w = w.to(q.qweight.device)
             _write_part(q, start, w)
             start += size
     finalize(model)

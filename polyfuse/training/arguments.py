@@ -70,7 +70,13 @@ class PolyfuseTrainingArguments(TrainingArguments):
     use_habana: bool = field(default=False, metadata={"help": "Train on an Intel Gaudi (HPU)."})
     use_lazy_mode: Optional[bool] = field(
         default=None,
-        metadata={"help": "HPU lazy mode (mark_step at step boundaries). Default: on with --use_habana."},
+        # nargs / const: a bare --use_lazy_mode, as optimum-habana's README lines give it (HfArgumentParser passes
+        # metadata to argparse; an Optional[bool] with a None default would need a value otherwise).
+        metadata={
+            "help": "HPU lazy mode (mark_step at step boundaries). Default: on with --use_habana.",
+            "nargs": "?",
+            "const": True,
+        },
     )
     gaudi_config_name: Optional[str] = field(
         default=None,

@@ -6,7 +6,11 @@
   read once when the bridge is imported; **unset means eager since Synapse 1.21** (it meant lazy up to 1.20).
 * Lazy mode accumulates ops into a graph that runs at ``mark_step()``. The generation loop calls
   ``runtime.mark_step()`` after every step, and the model calls the hook from ``layer_hook()`` before every decoder
-  layer in inference, as optimum-habana's ``GaudiLlamaModel`` does. In eager mode mark_step is never called (it is a
+  layer in inference, as optimum-habana's ``GaudiLlamaModel`` does: on one card only (with torch.distributed over
+  several processes it skips it, as optimum-habana does).
+* Multi-card (``WORLD_SIZE`` > 1): ``PT_HPU_ENABLE_LAZY_COLLECTIVES=true`` is set where unset before the bridge is
+  imported (optimum-habana's ``setup_env``), which tensor parallelism with HPU graphs needs; set to false, HPU graphs
+  under tensor parallelism are refused in one line. In eager mode mark_step is never called (it is a
   lazy-only function there; optimum-habana PR #707).
 * ``graph_module`` wraps a step module with ``habana_frameworks.torch.hpu.wrap_in_hpu_graph`` under
   ``--use_hpu_graphs`` (lazy mode only: the bridge does not export the graph API in eager mode, and
@@ -23,6 +27,8 @@
 * fp8 on Gaudi2, whose e4m3 reaches 240: ``fp8_max()`` makes weights quantized on the device scale to 240, and
   ``adapt_quantized()`` halves the loaded fp8 rows beyond it and doubles their scales (fp8_range.py); Gaudi3 holds
   float8_e4m3fn's 448.
+* fp8 on Gaudi: ``adapt_quantized()`` also makes each fp8 weight's [K, N] copy, the form INC passes to
+  ``fp8_gemm_v2`` (fp8_linear.py), where the run uses that kernel.
 * int4 on Gaudi: ``adapt_quantized()`` also repacks each int4 weight into the layout of Habana's
   ``convert_from_uint4`` once (int4_linear.py), kept beside the module's buffers, where the run uses that kernel.
 * ``compile_backend()`` is ``"hpu_backend"`` (optimum-habana's and transformers' torch.compile backend on Gaudi),
@@ -36,8 +42,9 @@ from typing import Callable, Optional
 
 import torch
 
-from polyfuse.backends.hpu import _habana, int4_linear
+from polyfuse.backends.hpu import _habana, fp8_linear, int4_linear
 from polyfuse.backends.hpu.fp8_range import device_fp8_max, fit_gaudi2
+from polyfuse.core import settings
 from polyfuse.core.runtime import DeviceRuntime, Step
 
 
@@ -49,6 +56,10 @@ GRAPHS_NEED_LAZY = (
     "--use_hpu_graphs needs Habana's lazy mode, and this process runs in eager mode (the default since Synapse 1.21): "
     "set PT_HPU_LAZY_MODE=1 before starting Python, or use --torch_compile"
 )
+GRAPHS_NEED_LAZY_COLLECTIVES = (
+    "--use_hpu_graphs under tensor parallelism needs PT_HPU_ENABLE_LAZY_COLLECTIVES=true (collectives inside HPU "
+    "graphs); it is set to false in this process's environment"
+)
 COMPILE_NEEDS_EAGER = (
     "--torch_compile on HPU needs Habana's eager mode, and this process runs in lazy mode: "
     "set PT_HPU_LAZY_MODE=0 (or leave it unset on Synapse 1.21+) before starting Python"
@@ -58,6 +69,11 @@ COMPILE_NEEDS_EAGER = (
 def lazy_mode_enabled() -> bool:
     """Habana's ``is_lazy()`` (PT_HPU_LAZY_MODE read once by the bridge; unset = eager since Synapse 1.21)."""
     return _habana.is_lazy()
+
+
+def _distributed_world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class HpuGraphStep(Step):
@@ -80,9 +96,9 @@ class HpuGraphStep(Step):
             clear()
 
 
-def _runs_uint4(kernels) -> bool:
+def _runs(kernels, name: str) -> bool:
     chain = {i.name for i in kernels.choices["linear_q"].chain}
-    return "uint4_matmul" in chain and kernels.context.dtype in int4_linear.DTYPES
+    return name in chain
 
 
 class HpuRuntime(DeviceRuntime):
@@ -99,9 +115,12 @@ class HpuRuntime(DeviceRuntime):
     )
     # Whether HPU graphs replay in-place updates of their inputs faithfully is unverified: keep the per-token loop.
     inplace_decode = False
+    static_shapes = True  # lazy mode compiles a graph per shape signature
 
     def __init__(self, device: torch.device):
         super().__init__(device)
+        if settings.get("WORLD_SIZE") > 1:  # before the bridge starts, as optimum-habana's setup_env
+            settings.set_for_child("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true", overwrite=False)
         _habana.import_bridge()  # registers the hpu device with torch; harmless (False) outside Habana's stack
         self.lazy_mode = lazy_mode_enabled()
 
@@ -117,6 +136,11 @@ class HpuRuntime(DeviceRuntime):
             fn()
 
     def layer_hook(self) -> Optional[Callable[[], None]]:
+        """mark_step before every decoder layer in inference, on one card only: optimum-habana's Llama skips it when
+        torch.distributed runs more than one process (a step boundary between a layer's collectives would split
+        them across graphs)."""
+        if _distributed_world() > 1:
+            return None
         return self._mark_step_fn()
 
     # -- graphs ----------------------------------------------------------------------------------------------------
@@ -130,6 +154,8 @@ class HpuRuntime(DeviceRuntime):
             return Step(module)
         if not self.lazy_mode:
             raise ValueError(GRAPHS_NEED_LAZY)
+        if _distributed_world() > 1 and not settings.get("PT_HPU_ENABLE_LAZY_COLLECTIVES"):
+            raise ValueError(GRAPHS_NEED_LAZY_COLLECTIVES)
         wrap = _habana.require(_habana.HPU, "wrap_in_hpu_graph")
         if not getattr(module, _WRAPPED, False):
             kwargs = {}
@@ -150,15 +176,19 @@ class HpuRuntime(DeviceRuntime):
         ``uint4_matmul`` and the run is bfloat16 (int4_linear.py: made here once rather than on the first call,
         where an HPU graph would capture it; no second copy for a run that never uses it); on Gaudi2, fp8 weight
         rows holding codes beyond its e4m3 range (240) are halved and their scales doubled (fp8_range.py)."""
-        if kernels is not None and _runs_uint4(kernels):
+        if kernels is not None and _runs(kernels, "uint4_matmul") and kernels.context.dtype in int4_linear.DTYPES:
             for w in weights:
                 if w.format == "int4":
                     int4_linear.prepare(w)
-        if device_fp8_max() is None:
-            return
-        rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
-        if rows:
-            logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled", rows)
+        if device_fp8_max() is not None:
+            rows = sum(fit_gaudi2(w.qweight, w.scales) for w in weights if w.format in ("fp8", "fp8_block"))
+            if rows:
+                logger.info("polyfuse: gaudi2: %d fp8 weight row(s) beyond e4m3's 240 halved, their scales doubled",
+                            rows)  # fmt: skip
+        if kernels is not None and _runs(kernels, "fp8_gemm"):  # INC's [K, N] copy, after the rows were fitted
+            for w in weights:
+                if w.format == "fp8":
+                    fp8_linear.prepare(w)
 
     @classmethod
     def lazy_mode_enabled(cls) -> bool:
@@ -199,6 +229,15 @@ class HpuRuntime(DeviceRuntime):
             sync = getattr(getattr(torch, "hpu", None), "synchronize", None)
         if sync is not None:
             sync()
+
+    def sampling_generator(self, seed: int):
+        """None: torch has no ``Generator(device="hpu")``; the HPU's default generator is seeded instead, as
+        optimum-habana's ``set_seed`` does (``torch.manual_seed`` and ``hpu.random.manual_seed_all``)."""
+        torch.manual_seed(seed)
+        seed_all = _habana.import_component(_habana.HPU + ".random", "manual_seed_all")
+        if seed_all is not None:
+            seed_all(seed)
+        return None
 
     def reset_peak_memory(self) -> None:
         reset = _habana.import_component(_habana.HPU, "reset_peak_memory_stats")

@@ -14,15 +14,41 @@ def record(name, *args, **kwargs):
     CALLS.append((name, args, kwargs))
 
 
+def on_hpu(kernel, *tensors, dtypes=None):
+    """A Habana kernel's inputs must be HPU tensors (of ``dtypes`` when given): what a Gaudi's kernel is handed."""
+    import torch
+
+    for t in tensors:
+        if torch.is_tensor(t) and t.device.type != "hpu":
+            raise RuntimeError(f"{kernel} (test double): expects HPU tensors, got one on {t.device.type} "
+                               f"{tuple(t.shape)}")  # fmt: skip
+        if torch.is_tensor(t) and dtypes is not None and t.dtype not in dtypes:
+            raise RuntimeError(f"{kernel} (test double): dtype {t.dtype} unsupported (takes {dtypes})")
+
+
 def calls(name):
     """Recorded (args, kwargs) of every call to ``name``."""
     return [(a, k) for n, a, k in CALLS if n == name]
 
 
 def reset():
+    """Forget the calls, the memory statistics and the device's compiled graphs and host reads."""
     import sys
 
     CALLS.clear()
     hpu = sys.modules.get("habana_frameworks.torch.hpu")  # not imported here: importing the bridge is under test
     if hpu is not None:
         hpu.MEMORY.update(hpu.DEFAULT_MEMORY)
+    device = sys.modules.get("habana_frameworks.torch._device")
+    if device is not None:
+        device.reset()
+
+
+def shutdown():
+    """Stop being a device (tests call it before they drop the double from sys.modules): torch.hpu and the modes
+    that route HPU tensors go. HPU tensors made before are dead after this."""
+    import sys
+
+    device = sys.modules.get("habana_frameworks.torch._device")
+    if device is not None:
+        device.disable()

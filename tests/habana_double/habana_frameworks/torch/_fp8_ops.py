@@ -33,7 +33,12 @@ SCHEMAS = {
 
 
 def record(name, *args):
-    """Into the CALLS of the double imported now (the ops outlive a test's import of it: see above)."""
+    """Into the CALLS of the double imported now (the ops outlive a test's import of it: see above). The op must
+    have been called on HPU tensors (``_device.require_hpu``): Habana registers these ops for the HPU only."""
+    device = sys.modules.get("habana_frameworks.torch._device")
+    if device is None or not device.STATE.active:
+        raise RuntimeError(f"Could not run 'hpu::{name}': the HPU is not initialized (test double)")
+    device.require_hpu(name)
     double = sys.modules.get("habana_frameworks")
     if double is not None and getattr(double, "TEST_DOUBLE", False):
         double.record(name, *args)
@@ -96,12 +101,17 @@ def fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv=None, B_scale_
                 accumulate=False, B_scale_shape=None):  # fmt: skip
     """op(A) [.., M, K] @ op(B) [K, N] with op = transpose when trans_*; A_scale_inv: a scalar or one per row of
     op(A) ([M, 1]); B_scale_inv: a scalar or one per output column ([N]); products in float32, + bias, + D when
-    accumulating, then out_dtype."""
+    accumulating, then out_dtype. B in the layout INC's ``QuantizedHpuMatmul`` passes it: contiguous, and with
+    per-column scales as [K, N] with trans_B=False (the one per-channel form known to run)."""
     op = "fp8_gemm_v2"
     record(op, A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias, accumulate, B_scale_shape)
     _check(A.dtype in FP8 and B.dtype in FP8, op, f"A and B must be fp8, got {A.dtype}, {B.dtype}")
     _check(B.dim() == 2, op, f"B must be 2-D, got {tuple(B.shape)}")
     _check(B_scale_shape is None, op, "blockwise B_scale_shape is not modelled")
+    _check(B.is_contiguous(), op, "B must be contiguous (INC passes weight.t().contiguous())")
+    _check(not (trans_B and B_scale_inv is not None and B_scale_inv.numel() > 1), op,
+           "per-channel B_scale_inv with trans_B=True is not a form INC or optimum-habana calls (INC: the weight "
+           "transposed to [K, N] once, trans_B=False)")  # fmt: skip
     a = _values(A).transpose(-1, -2) if trans_A else _values(A)
     b = _values(B).t() if trans_B else _values(B)
     _check(a.shape[-1] == b.shape[0], op, f"inner dims differ: {tuple(a.shape)} @ {tuple(b.shape)}")

@@ -7,16 +7,16 @@ replaces ``module.forward`` in place and returns the module, like the real one (
 * every other call is keyed by :func:`input_hash` of ``(args, kwargs)``: a tensor by its shape, dtype and *view*
   (storage offset and strides, as the real ``_hpu_C.get_view_hash``), anything else by value. So a view that moves
   along its base (``t[i:i + 1]``) is a new key every time, and so is every distinct Python int;
-* a new key captures a graph ("hpu_graph_capture"): the forward runs, and the graph keeps the input tensors it was
-  given and the outputs it returned;
+* a new key captures a graph ("hpu_graph_capture"): the forward runs once, its ops are recorded (``_device.capture``)
+  and the graph keeps the input tensors it was given and the outputs it returned; host tensors are refused;
 * a known key replays ("hpu_graph_replay"): the new inputs are *copied into the capture-time input tensors*, the
-  graph runs again on those tensors, its results are written into the capture-time output tensors, and those same
-  output objects are returned (every replay returns aliases of one another, as on a Gaudi);
+  recorded ops run again on those tensors (``_device.replay``: no Python of the module runs, so a branch its Python
+  took on a tensor's value at capture is taken again whatever the new inputs say), their results land in the
+  capture-time output tensors, and those same output objects are returned (aliases of one another, as on a Gaudi);
 * with ``max_graphs`` graphs cached, a new key runs the plain forward ("hpu_graph_over_limit");
 * ``module.clear_cache()`` drops every graph.
 
-On a Gaudi a replay does not run Python at all; the double re-runs the forward on the capture-time tensors, which is
-the same computation for a forward whose Python control flow does not depend on tensor values.
+As on a Gaudi, a replay runs no Python at all.
 """
 
 import functools
@@ -24,6 +24,7 @@ import functools
 import torch
 
 from habana_frameworks import record
+from habana_frameworks.torch import _device
 
 
 def _view_key(t):
@@ -38,6 +39,12 @@ def input_hash(obj):
     if torch.is_tensor(obj):
         return hash(_view_key(obj))
     return hash(obj)
+
+
+def _host_inputs_refused(inputs):
+    for t in torch.utils._pytree.tree_leaves(inputs):
+        if torch.is_tensor(t) and not isinstance(t, _device.HpuTensor) and t.dim() > 0:
+            raise RuntimeError(f"wrap_in_hpu_graph (test double): input of shape {tuple(t.shape)} is a host tensor")
 
 
 def _copy_to(dst, src):
@@ -72,13 +79,14 @@ def wrap_in_hpu_graph(module, asynchronous=False, disable_tensor_cache=False, dr
                 record("hpu_graph_over_limit")
                 return orig_fwd(*args, **kwargs)
             record("hpu_graph_capture", h)
-            outputs = orig_fwd(*args, **kwargs)
-            cache[h] = (inputs, outputs)
+            _host_inputs_refused(inputs)
+            outputs, ops = _device.capture(orig_fwd, *args, **kwargs)
+            cache[h] = (inputs, outputs, ops)
             return outputs
         record("hpu_graph_replay", h)
-        graph_inputs, graph_outputs = cached
+        graph_inputs, graph_outputs, ops = cached
         _copy_to(graph_inputs, inputs)
-        _copy_to(graph_outputs, orig_fwd(*graph_inputs[0], **graph_inputs[1]))
+        _device.replay(ops)  # the captured ops on the capture-time tensors: no Python of the module runs
         return graph_outputs
 
     module.forward = forward

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from habana_frameworks import record
+from habana_frameworks import on_hpu, record
 
 
 SOFTMAX_MODES = {"None", "fast"}
@@ -40,6 +40,7 @@ class FusedSDPA:
         _check(len(args) == 11, f"expects 11 positional arguments, got {len(args)}")
         record("FusedSDPA", *args)
         q, k, v, mask, dropout_p, is_causal, scale, softmax_mode, recompute, lengths, padding_side = args
+        on_hpu("FusedSDPA", q, k, v, mask, lengths)
         for name, t in (("q", q), ("k", k), ("v", v)):
             _check(torch.is_tensor(t) and t.dim() == 4, f"{name} must be a 4-D tensor [B, H, L, D]")
         _check(q.dtype == k.dtype == v.dtype, f"q/k/v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -120,6 +121,7 @@ class RotaryPosEmbeddingHelperV2:
             raise ValueError("RotaryPosEmbeddingHelperV2 (test double): expects (p, cos, sin, position_ids)")
         record("RotaryPosEmbeddingHelperV2", *args)
         p, cos, sin, position_ids = args
+        on_hpu("RotaryPosEmbeddingHelperV2", p, cos, sin, position_ids)
         if not (torch.is_tensor(p) and p.dim() == 4):
             raise ValueError("RotaryPosEmbeddingHelperV2 (test double): p must be [B, H, L, D]")
         if cos.shape != sin.shape or cos.shape[-1] != p.shape[-1]:

@@ -2,7 +2,7 @@
 
 import torch
 
-from habana_frameworks import record
+from habana_frameworks import on_hpu, record
 
 
 class FusedRMSNorm:
@@ -14,6 +14,7 @@ class FusedRMSNorm:
             raise ValueError("FusedRMSNorm (test double): expects (x, weight, eps)")
         record("FusedRMSNorm", *args)
         x, weight, eps = args
+        on_hpu("FusedRMSNorm", x, weight)
         if x.dtype != weight.dtype:
             raise TypeError(f"FusedRMSNorm (test double): x {x.dtype} and weight {weight.dtype} dtypes differ")
         if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -33,6 +34,7 @@ class FusedClipNorm:
 
     def clip_norm(self, parameters):
         grads = [p.grad for p in parameters if p.grad is not None]
+        on_hpu("FusedClipNorm", *grads)
         record("FusedClipNorm.clip_norm", len(grads))
         if not grads:
             return torch.tensor(0.0)

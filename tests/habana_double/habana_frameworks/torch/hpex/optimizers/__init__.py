@@ -8,7 +8,7 @@ filters them out "because they make FusedAdamW crash".
 
 import torch
 
-from habana_frameworks import record
+from habana_frameworks import on_hpu, record
 
 
 class FusedAdamW(torch.optim.AdamW):
@@ -22,5 +22,6 @@ class FusedAdamW(torch.optim.AdamW):
         for i, group in enumerate(groups):
             if not group["params"]:
                 raise RuntimeError(f"FusedAdamW (test double): parameter group {i} is empty (the real one crashes)")
+        on_hpu("FusedAdamW", *[p for g in groups for p in g["params"]])
         record("FusedAdamW", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, groups=len(groups))
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -1,0 +1,1 @@
+"""TEST DOUBLE (stand-in) of ``neural_compressor.torch``."""
