@@ -45,6 +45,13 @@ def _forget_habana():
         if name == "habana_frameworks" or name.startswith("habana_frameworks."):
             del sys.modules[name]
     _habana.clear_cache()
+    # transformers caches "is there an HPU?" (set_seed then calls torch.hpu): ask again once the double is gone
+    from transformers.utils import import_utils
+
+    for name in ("is_torch_hpu_available",):
+        cached = getattr(import_utils, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _import_double(monkeypatch, lazy):

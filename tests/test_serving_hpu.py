@@ -50,7 +50,10 @@ def config():
 
 @pytest.fixture
 def lazy_double(monkeypatch):
-    yield _import_double(monkeypatch, True)
+    double = _import_double(monkeypatch, True)
+    import habana_frameworks.torch  # noqa: F401  (the double's hpu device, as the bridge registers it)
+
+    yield double
     _forget_habana()
 
 

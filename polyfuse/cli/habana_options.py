@@ -128,9 +128,9 @@ def add_habana_options(p: argparse.ArgumentParser) -> None:
         a(flag, type=str, nargs="+", default=None, help=HABANA_FLAGS[flag][1])
     a("--simulate_dyn_prompt", type=int, nargs="*", default=None, help=HABANA_FLAGS["--simulate_dyn_prompt"][1])
     a("--const_serialization_path", "--csp", default=None, help=HABANA_FLAGS["--const_serialization_path"][1])
-    a("--saved_model_path", default="inc_quantized_model", help=HABANA_FLAGS["--saved_model_path"][1])
-    a("--pt2e_quant_dtype", choices=["int8", "fp8_143", "fp8_152"], default="fp8_143",
-      help=HABANA_FLAGS["--pt2e_quant_dtype"][1])  # fmt: skip
+    # Used only with flags that are refused: listed in docs/hpu.md, not in --help.
+    a("--saved_model_path", default="inc_quantized_model", help=argparse.SUPPRESS)
+    a("--pt2e_quant_dtype", choices=["int8", "fp8_143", "fp8_152"], default="fp8_143", help=argparse.SUPPRESS)
 
 
 _DEFAULTS = {"profiling_warmup_steps": 0, "profiling_steps": 0, "attn_batch_split": 1, "decode_attn_batch_split": 1,

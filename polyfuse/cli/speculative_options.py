@@ -10,36 +10,33 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
         "--assistant_model",
         default=None,
         metavar="PATH",
-        help="a draft model of the same tokenizer (folder, .gguf folder or Hub id) drafting k tokens a step for the "
-        "model to verify in one forward; loaded like the model (--bf16, device, flags)",
+        help="a draft model of the same tokenizer (folder, GGUF or Hub id), loaded like the model",
     )
     g.add_argument(
         "--prompt_lookup_num_tokens",
         type=int,
         default=None,
         metavar="K",
-        help="prompt lookup: draft the K tokens that followed the last n-gram's earlier occurrence in the prompt or "
-        "output (transformers' n-gram matching; no second model: pays on text that repeats its input)",
+        help="prompt lookup: draft the K tokens that followed the last n-gram's earlier occurrence (transformers')",
     )
     g.add_argument(
         "--max_matching_ngram_size",
         type=int,
         default=None,
-        help="prompt lookup: the longest n-gram matched (default 2)",
+        metavar="N",
+        help="prompt lookup: the longest n-gram matched (default: 2)",
     )
     g.add_argument(
         "--speculative_model",
         default=None,
         metavar="PATH",
-        help="EAGLE-3 heads in their published format (config.json + model.safetensors), or with "
-        "--speculative_method draft a draft model",
+        help="EAGLE-3 heads (config.json + model.safetensors), or a draft model with --speculative_method draft",
     )
     g.add_argument(
         "--speculative_method",
         default=None,
         choices=["eagle3", "draft", "prompt_lookup"],
-        help="default: eagle3 with --speculative_model, draft with --assistant_model, prompt_lookup with "
-        "--prompt_lookup_num_tokens",
+        help="default: what the flags above give",
     )
     g.add_argument(
         "--num_speculative_tokens",

@@ -20,27 +20,21 @@ def _option(default, help: str, metavar: str = ""):
 class KernelOptions:
     int4_a8: bool = _option(
         False,
-        "W4A8: one-row int4 projections on int8 activations (blocks of 32, integer dot products, as llama.cpp); not "
-        "weight-only: each activation moves by at most half a step of its block",
+        "W4A8: one-row int4 on int8 activations (blocks of 32, as llama.cpp; not weight-only)",
     )
     gguf_a8: bool = _option(
         True,
-        "GGUF weights kept as stored: 1..8-row projections on int8 activations (dp4a, as llama.cpp's CUDA backend); "
-        "off: float activations, weight-only",
+        "GGUF blocks: 1..8-row projections on int8 activations (as llama.cpp); off: float activations",
     )
-    int4_mma: bool = _option(True, "int4 with 2..16 rows on the tensor-core GEMM (the nibbles as mma operands)")
+    int4_mma: bool = _option(True, "int4 with 2..16 rows on the tensor-core GEMM")
     fp8_fast_accum: bool = _option(
         False,
-        "fp8 GEMMs (torch._scaled_mm) without Hopper's periodic float32 promotion of partial sums: faster prefill, "
-        "but one GPU test saw an output far off",
+        "fp8 GEMMs without Hopper's float32 promotion of partial sums: faster prefill, less exact",
     )
-    pdl: bool = _option(
-        True, "programmatic dependent launch of the inference kernels (NVIDIA compute capability 9.0+)"
-    )
+    pdl: bool = _option(True, "programmatic dependent launch of the decode kernels (NVIDIA 9.0+)")
     tile_configs: str = _option(
         "",
-        "folder of tuned tile tables (<kind>/<GPU name>.json or <kind>/default.json, kinds gemv, qgemv, qgemm) whose "
-        "entries replace the package's (backends/triton/configs); empty: the package's alone",
+        "folder of tile tables (<kind>/<GPU name>.json) whose entries replace the package's (docs/architecture.md)",
         "DIR",
     )
 
