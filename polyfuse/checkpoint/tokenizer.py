@@ -44,6 +44,16 @@ def _gguf_special_tokens(tok, file: str) -> None:
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None):
+    """The checkpoint's tokenizer set up for batched generation: left padding, EOS as the pad token where none."""
+    tok = original_tokenizer(path, gguf_file)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def original_tokenizer(path: str, gguf_file: str | None = None):
+    """The checkpoint's tokenizer as stored (a GGUF's converted once and cached)."""
     if gguf_file is None:
         tok = AutoTokenizer.from_pretrained(path)
     else:
@@ -61,7 +71,4 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
                 tok.save_pretrained(cached)
             except OSError:
                 pass  # read-only home: convert again next time
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
     return tok

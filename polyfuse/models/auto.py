@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from polyfuse.core.errors import CheckpointError
-from polyfuse.loader.load import checkpoint_model_type, from_config, from_pretrained
+from polyfuse.loader.load import checkpoint_model_type, from_config
+from polyfuse.models.hf_model import load_pretrained
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.models.mistral import MistralForCausalLM
 from polyfuse.models.qwen2 import Qwen2ForCausalLM
@@ -32,20 +33,22 @@ def family_for(model_type: Optional[str], where: str = "checkpoint"):
 
 class AutoModelForCausalLM:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=..., device=..., flags=...)``: the family from the
-    checkpoint, then that family's ``from_pretrained``."""
+    checkpoint, then that family's ``from_pretrained`` (transformers' keywords too: models/hf_model.py)."""
 
     @staticmethod
-    def from_pretrained(path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None, progress=None, quant_lm_head=False):  # fmt: skip
-        model_type, where = checkpoint_model_type(path, gguf_file)
-        cls = family_for(model_type, where)
-        return from_pretrained(
-            cls, path, gguf_file, dtype, device, flags, overrides, training, quant=quant, progress=progress,
-            quant_lm_head=quant_lm_head,
-        )  # fmt: skip
+    def from_pretrained(path, gguf_file=None, dtype=None, device=None, flags=None, overrides="", training=False,
+                        quant=None, progress=None, quant_lm_head=False, **kwargs):  # fmt: skip
+        options = dict(flags=flags, overrides=overrides, training=training, quant=quant, progress=progress,
+                       quant_lm_head=quant_lm_head)  # fmt: skip
+        return load_pretrained(_family_of_checkpoint, path, gguf_file, dtype, device, options, kwargs)
 
     @staticmethod
     def from_config(config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
                     quant=None):  # fmt: skip
         cls = family_for(getattr(config, "model_type", None), "config")
         return from_config(cls, config, dtype, device, flags, overrides, training, seed, quant=quant)
+
+
+def _family_of_checkpoint(folder: str, gguf_file):
+    model_type, where = checkpoint_model_type(folder, gguf_file)
+    return family_for(model_type, where)
