@@ -12,11 +12,20 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 
-# transformers 5.x's generate() leaves the prompt's left padding out of the repetition penalty; 4.x counts it.
-PENALTY_SKIPS_PADDING = "prompt_ignore_length" in inspect.signature(RepetitionPenaltyLogitsProcessor).parameters
+def _penalty_skips_padding() -> bool:
+    """Does the installed transformers' generate() leave the prompt's left padding out of the repetition penalty
+    (5.x passes the padding lengths as ``prompt_ignore_length``; 4.55 counts the padding)?"""
+    from transformers.generation.utils import GenerationMixin
+
+    try:
+        return "prompt_ignore_length" in inspect.getsource(GenerationMixin._get_logits_processor)
+    except (OSError, TypeError):  # no source shipped: 4.x's behaviour
+        return False
+
+
+PENALTY_SKIPS_PADDING = _penalty_skips_padding()
 
 
 def seen_mask(ids: torch.Tensor, vocab: int, out: torch.Tensor | None = None, mask=None) -> torch.Tensor:

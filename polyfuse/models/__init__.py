@@ -7,7 +7,10 @@ from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.models.mistral import MistralForCausalLM
 from polyfuse.models.qwen2 import Qwen2ForCausalLM
 from polyfuse.models.qwen3 import Qwen3ForCausalLM
+from polyfuse.quant.hf_quantizer import register as _register_quantizer
 
+
+_register_quantizer()  # transformers then refuses polyfuse's quantized saves in one line (quant/hf_quantizer.py)
 
 __all__ = [
     "FAMILIES",
