@@ -48,6 +48,12 @@ def load_request(dtype, device, kwargs: dict) -> LoadRequest:
         if key in kwargs and kwargs[key] not in allowed:
             raise ValueError(f"from_pretrained({key}={kwargs[key]!r}) is not supported by polyfuse's models")
         kwargs.pop(key, None)
+    adapter = kwargs.pop("adapter_kwargs", None) or {}  # the Auto classes' PEFT lookup: a path when it found one
+    if adapter.get("_adapter_model_path"):
+        raise ValueError(
+            f"{adapter['_adapter_model_path']} is a PEFT adapter: load its base model with polyfuse, then the "
+            "adapter with peft.PeftModel.from_pretrained(model, path)"
+        )
     attn = kwargs.pop("attn_implementation", None)
     if attn is not None:
         logger.info("polyfuse: attn_implementation=%r: the op registry picks the attention kernel", attn)

@@ -1,7 +1,13 @@
 """Model families on the shared decoder (``decoder.py``): Llama, Mistral, Qwen2, Qwen3; ``auto.py`` picks one from
 a checkpoint's ``model_type``."""
 
-from polyfuse.models.auto import FAMILIES, AutoModelForCausalLM, family_for
+from polyfuse.models.auto import (
+    FAMILIES,
+    AutoModelForCausalLM,
+    family_for,
+    register_auto_classes,
+    unregister_auto_classes,
+)
 from polyfuse.models.decoder import CausalLMOutput, DecoderForCausalLM
 from polyfuse.models.llama import LlamaForCausalLM
 from polyfuse.models.mistral import MistralForCausalLM
@@ -22,4 +28,6 @@ __all__ = [
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "family_for",
+    "register_auto_classes",
+    "unregister_auto_classes",
 ]

@@ -52,3 +52,32 @@ class AutoModelForCausalLM:
 def _family_of_checkpoint(folder: str, gguf_file):
     model_type, where = checkpoint_model_type(folder, gguf_file)
     return family_for(model_type, where)
+
+
+_previous: dict = {}  # config class -> what transformers' AutoModelForCausalLM mapped it to before registration
+
+
+def register_auto_classes() -> None:
+    """Make transformers' ``AutoModelForCausalLM`` (and with it ``pipeline("text-generation", model=path)``, which
+    loads through it) build polyfuse's model for every family polyfuse runs, in this process, until
+    :func:`unregister_auto_classes`. Opt-in: transformers' own classes stay the default."""
+    from transformers import AutoModelForCausalLM as HFAuto
+
+    extra = HFAuto._model_mapping._extra_content  # the registrations that override transformers' table
+    for cls in FAMILIES.values():
+        if cls.config_class not in _previous:
+            _previous[cls.config_class] = extra.get(cls.config_class)
+        HFAuto.register(cls.config_class, cls, exist_ok=True)
+
+
+def unregister_auto_classes() -> None:
+    """Give transformers' ``AutoModelForCausalLM`` back what it mapped the families to before."""
+    from transformers import AutoModelForCausalLM as HFAuto
+
+    extra = HFAuto._model_mapping._extra_content
+    for config_class, before in _previous.items():
+        if before is None:
+            extra.pop(config_class, None)
+        else:
+            extra[config_class] = before
+    _previous.clear()

@@ -46,10 +46,12 @@ def load_pretrained(pick_class, path, gguf_file, dtype, device, options: dict, h
     hub = dict(req.hub)
     folder = local_checkpoint(path, gguf_file, hub.pop("revision", None), hub.pop("subfolder", ""), **hub)
     cls = pick_class(folder, gguf_file)
-    return loading.from_pretrained(
+    model = loading.from_pretrained(
         cls, folder, gguf_file, req.dtype, req.device, config=req.config, config_updates=req.config_updates,
         **options,
     )  # fmt: skip
+    model.name_or_path = model.config._name_or_path = os.fspath(path)  # a Hub id stays one (PEFT records it)
+    return model
 
 
 class HFCausalLMBase(PreTrainedModel, GenerationMixin):
