@@ -57,7 +57,10 @@ def generation_config_for(path: Optional[str], gguf_file: Optional[str], config)
 def tokenizer_source(path: Optional[str], gguf_file: Optional[str]) -> Optional[tuple]:
     """(folder, gguf file or None) holding the checkpoint's tokenizer, None where it has none."""
     if gguf_file is not None:
-        return (path, gguf_file)
+        from polyfuse.checkpoint.readers import open_gguf
+
+        file = gguf_file if os.path.isabs(gguf_file) or path is None else os.path.join(path, gguf_file)
+        return (path, gguf_file) if "tokenizer.ggml.tokens" in open_gguf(file).fields else None
     if path is not None and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return (path, None)
     return None
@@ -71,7 +74,7 @@ def save_tokenizer(source: Optional[tuple], folder: str) -> None:
 
     try:
         tok = original_tokenizer(*source)
-    except (OSError, ValueError) as e:  # the source was moved or its tokenizer cannot be read: the weights still save
+    except (OSError, ValueError, TypeError) as e:  # moved, or transformers cannot read it: the weights still save
         logger.warning("warning: the tokenizer of %s was not saved: %s", source[0], e)
         return
     tok.save_pretrained(folder)

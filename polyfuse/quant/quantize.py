@@ -714,7 +714,9 @@ def quantization_config(model) -> dict:
     qs = quantized_modules(model)
     fmts = {q.format for q in qs.values()}
     groups = {q.group_size for q in qs.values()}
-    if fmts == {"int4"} and len(groups) == 1:
+    # A GPTQ loader packs every projection of the layers: one kept dense would be read as missing packed weights.
+    dense = any(type(m) is nn.Linear for n, m in model.named_modules() if n.startswith("model.layers."))
+    if fmts == {"int4"} and len(groups) == 1 and not dense:
         return {
             "quant_method": "gptq", "bits": 4, "group_size": groups.pop(), "sym": False, "checkpoint_format": "gptq",
             "desc_act": any(q.act_order for q in qs.values()), "lm_head": head_quantized(model),
