@@ -61,6 +61,13 @@ def test_pipeline_from_a_path_through_the_auto_classes(folder, tok):
     theirs = transformers.pipeline("text-generation", model=folder)
     assert type(theirs.model) is transformers.LlamaForCausalLM  # unregistered: transformers' own class again
     assert pipe(PROMPTS[0], max_new_tokens=6, do_sample=False) == theirs(PROMPTS[0], max_new_tokens=6, do_sample=False)
+    register_auto_classes()
+    try:  # from_config through transformers' Auto class: polyfuse's build, weights drawn, kernels resolved
+        fresh = transformers.AutoModelForCausalLM.from_config(pipe.model.config)
+    finally:
+        unregister_auto_classes()
+    assert isinstance(fresh, polyfuse.LlamaForCausalLM) and fresh.kernels is not None
+    assert torch.isfinite(fresh(torch.tensor([[5, 6, 7]])).logits).all()
 
 
 def sft_losses(model, tok, tmp_path, after_build=None):

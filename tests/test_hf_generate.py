@@ -5,6 +5,8 @@ the same weights: greedy, sampled (the same seed) and beam tokens equal with ``m
 defaults from the model's ``generation_config`` (generation_config.json, ``top_k=50`` when sampling) and a passed
 config falling back to it; the greedy path that needs processors says so in one log line."""
 
+import logging
+
 import pytest
 import torch
 import transformers
@@ -169,3 +171,14 @@ def test_polyfuse_form_and_refusals(pair):
         pf.generate(ids, prefix_allowed_tokens_fn=lambda b, s: [1])
     with pytest.raises(ValueError, match="max_time"):
         pf.generate(ids, generation_config=GenerationConfig(max_time=3.0))
+
+
+def test_greedy_that_needs_processors_says_it_leaves_the_in_place_step(pair, caplog):
+    import importlib
+
+    importlib.import_module("polyfuse.generation.generate")._told.clear()  # each reason is logged once per process
+    with caplog.at_level(logging.INFO, logger="polyfuse"):
+        both(pair, do_sample=False, max_new_tokens=4, no_repeat_ngram_size=2)
+        both(pair, do_sample=False, max_new_tokens=4)
+    lines = [r.getMessage() for r in caplog.records if "per-token loop" in r.getMessage()]
+    assert lines == ["polyfuse generate: greedy decoding runs the per-token loop for no_repeat_ngram_size=2"]

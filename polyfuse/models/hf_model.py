@@ -78,6 +78,16 @@ class HFCausalLMBase(PreTrainedModel, GenerationMixin):
         return load_pretrained(lambda folder, gguf: cls, pretrained_model_name_or_path, gguf_file, dtype, device,
                                options, kwargs)  # fmt: skip
 
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        """transformers' ``AutoModelForCausalLM.from_config`` path (with ``register_auto_classes``): polyfuse's
+        ``from_config`` (transformers' random initialization, kernels resolved)."""
+        dtype = kwargs.pop("dtype", None) or kwargs.pop("torch_dtype", None) or torch.float32
+        kwargs.pop("attn_implementation", None)
+        if kwargs:
+            raise TypeError(f"from_config() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        return cls.from_config(config, dtype=loading.dtype_of(dtype) or torch.float32)
+
     def save_pretrained(self, save_directory, is_main_process: bool = True, state_dict=None, push_to_hub=False,
                         max_shard_size=None, safe_serialization=True, variant=None, params=None,
                         **kwargs) -> None:  # fmt: skip  # transformers' signature
