@@ -3,6 +3,9 @@
 Light to import: the model, the patch and the trainer load on first use.
 """
 
+import sys
+
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -22,6 +25,11 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
+
+if "transformers" in sys.modules:  # already paid for: transformers refuses polyfuse's quantized saves in one line
+    from polyfuse.quant.hf_quantizer import register as _register_quantizer
+
+    _register_quantizer()
 
 
 def __getattr__(name):

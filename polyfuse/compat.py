@@ -56,3 +56,7 @@ def llama_config(**kw):
 def set_config_dtype(config, dtype) -> None:
     """Record the weights' dtype in a config the way the installed transformers writes it to config.json."""
     setattr(config, DTYPE_KW, dtype)
+
+
+# A causal LM's tied head in the form the installed PreTrainedModel reads (5.x: {target: source}; 4.x: targets).
+TIED_LM_HEAD = {"lm_head.weight": "model.embed_tokens.weight"} if TRANSFORMERS_5 else ["lm_head.weight"]

@@ -1,6 +1,6 @@
 """generate()'s settings (polyfuse.generation.options.GenerationOptions) and phase hooks: a transformers
-GenerationConfig gives the same tokens as the same keyword arguments, keywords win over it, settings polyfuse does
-not implement are refused, ``max_length`` keeps transformers' meaning; the hooks see start, first token and end in
+GenerationConfig gives the same tokens as the same keyword arguments, keywords win over it (None clears a field, as
+in transformers), settings polyfuse does not implement are refused, ``max_length`` keeps transformers' meaning; the hooks see start, first token and end in
 that order on every decoding path, with the number of new positions."""
 
 import pytest
@@ -35,12 +35,14 @@ def test_generation_config_gives_the_keywords_tokens(model):
     assert torch.equal(got, want)
     other = model.generate(IDS, MASK, generator=torch.Generator().manual_seed(2), **dict(kw, top_k=40))
     assert not torch.equal(other, want), "top_k changed nothing: the comparison cannot fail"
-    # a keyword wins over the config; a keyword given as None leaves the config's value
+    # a keyword wins over the config; a keyword given as None clears the field (transformers: top_k=None, no top-k)
     over = model.generate(
         IDS, MASK, generator=torch.Generator().manual_seed(2), generation_config=GenerationConfig(**kw), top_k=40
     )
     assert torch.equal(over, other)
-    assert GenerationOptions.from_kwargs(GenerationConfig(top_k=3), top_k=None).top_k == 3
+    assert GenerationOptions.from_kwargs(GenerationConfig(top_k=3)).top_k == 3
+    assert GenerationOptions.from_kwargs(GenerationConfig(top_k=3), top_k=None).top_k is None
+    assert GenerationOptions.from_kwargs().top_k == 50  # transformers' default
 
 
 def test_max_length_counts_the_prompt(model):
@@ -57,9 +59,9 @@ def test_max_length_counts_the_prompt(model):
 @pytest.mark.parametrize(
     "call, error, needle",
     [
-        (dict(min_new_tokens=3), TypeError, "unexpected keyword argument 'min_new_tokens'"),
+        (dict(output_attentions=True), TypeError, "unexpected keyword argument 'output_attentions'"),
         (dict(timings={}), TypeError, "unexpected keyword argument 'timings'"),
-        (dict(generation_config=GenerationConfig(no_repeat_ngram_size=2)), ValueError, "no_repeat_ngram_size"),
+        (dict(generation_config=GenerationConfig(typical_p=0.5)), ValueError, "typical_p"),
         (dict(generation_config=GenerationConfig(num_beams=2, do_sample=True)), ValueError, "beam sampling"),
         (dict(max_length=0), ValueError, "max_length must be an integer >= 1"),
     ],

@@ -466,7 +466,8 @@ def test_adapter_saved_by_one_loads_into_the_other(folders, tmp_path, direction)
     assert (bare - want).abs().max() > 1e-3  # the adapter was loaded, not dropped
 
 
-def test_merge_and_unload_gives_the_unmerged_logits(folders, tmp_path):
+@pytest.mark.parametrize("safe", [False, True])  # safe_merge: PEFT assigns weight.data (projection_slice.py)
+def test_merge_and_unload_gives_the_unmerged_logits(folders, tmp_path, safe):
     folder = folders("qwen3")
     pf = pf_lora(folder).eval()
     ids = batch(pf.config.vocab_size)
@@ -474,7 +475,7 @@ def test_merge_and_unload_gives_the_unmerged_logits(folders, tmp_path):
         unmerged = pf(input_ids=ids).logits
         gen = pf.generate(input_ids=ids[:1, :6], max_new_tokens=6)  # polyfuse's engine, adapters as modules
     before = PfAuto.from_pretrained(folder).model.layers[0].self_attn.qkv_proj.weight
-    merged = pf.merge_and_unload()
+    merged = pf.merge_and_unload(safe_merge=safe)
     attn = merged.model.layers[0].self_attn
     assert type(attn.q_proj) is ProjectionSlice and type(merged.model.layers[0].mlp.gate_proj) is ProjectionSlice
     assert (attn.qkv_proj.weight - before).abs().max() > 1e-3  # the deltas landed in the fused weight

@@ -151,3 +151,33 @@ def test_peft_style_wrappers(batch):
 def test_patch_rejects_non_llama():
     with pytest.raises(TypeError, match="Llama"):
         patch(nn.Linear(2, 2))
+
+
+def test_rotary_follows_transformers_dtype_promotion_under_autocast(batch):
+    """Under bf16 autocast transformers' rotary gives float32 q/k (bf16 q times float32 cos); the patched rotary must
+    too, or the loss drifts by about half a percent per step."""
+    ids, _ = batch
+    ref = tiny_llama(attn="eager")
+    model = copy.deepcopy(ref)
+    patch(model, overrides="attention=native")
+    rotated = []
+    k = find_kernels(model)
+    rotary = k.rotary
+
+    def spy(q, kk, cos, sin):
+        out = rotary(q, kk, cos, sin)
+        rotated.append(out[0].dtype)
+        return out
+
+    k.rotary = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, labels=ids).loss
+        got = model(input_ids=ids, labels=ids).loss
+    assert rotated and set(rotated) == {torch.float32}
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=0)
+
+
+def find_kernels(model):
+    from polyfuse.patch.hf import find_handle
+
+    return find_handle(model).kernels

@@ -60,6 +60,16 @@ def _save_atomically(tok, cached: str) -> None:
 
 
 def load_tokenizer(path: str, gguf_file: str | None = None):
+    """The checkpoint's tokenizer set up for batched generation: left padding, EOS as the pad token where none."""
+    tok = original_tokenizer(path, gguf_file)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    return tok
+
+
+def original_tokenizer(path: str, gguf_file: str | None = None):
+    """The checkpoint's tokenizer as stored (a GGUF's converted once and cached)."""
     if gguf_file is None:
         tok = AutoTokenizer.from_pretrained(path)
     else:
@@ -74,7 +84,4 @@ def load_tokenizer(path: str, gguf_file: str | None = None):
             tok = AutoTokenizer.from_pretrained(os.path.dirname(file), gguf_file=os.path.basename(file))
             _gguf_special_tokens(tok, file)
             _save_atomically(tok, cached)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
     return tok

@@ -8,8 +8,8 @@ stopping criteria on the candidates (max length, EOS ids, stop strings), the bes
 running, finished ones merged into the kept hypotheses with the length penalty (score / new_length **
 length_penalty), the early-stop heuristic (``early_stopping``: False, True or "never"). The output is the best
 ``num_return_sequences`` hypotheses per prompt, rows ``b * num_return_sequences + r``, cut to the longest of them
-and padded after EOS with ``pad_token_id`` (transformers pads with ``pad_token_id or eos_token_id``: the EOS id
-where the pad id is 0; everything else is the same).
+and padded after EOS as transformers pads them: with ``pad_token_id``, the first EOS id where the pad id is 0,
+-1 without EOS ids.
 
 The cache follows the beams: after each step every layer's keys and values are gathered by the parent-beam index,
 in place and only over the positions written so far, before the next token is fed. The gather writes into the same
@@ -52,11 +52,14 @@ class BeamSearch:
         k = self.k = o.num_beams
         b = self.b = rows // k
         self.n, self.max_length, self.options, self.stop = n, n + p.max_new_tokens, o, d.stop
+        self.processors, self.criteria, self.record = d.processors, d.criteria, d.record
         self.eos = torch.tensor(list(p.eos), device=device) if p.eos else None
         self.keep = max(2, 1 + len(p.eos)) * k
         top = (torch.ones(k, dtype=torch.bool), torch.zeros(self.keep - k, dtype=torch.bool))
         self.top_mask = torch.cat(top).to(device)
-        self.running = torch.full((b, k, self.max_length), p.pad_token_id, dtype=torch.int64, device=device)
+        # transformers' fill: ``pad_token_id or eos_token_id[0]`` (a pad id 0 gives the EOS id), -1 without EOS ids
+        fill = (p.pad_token_id or p.eos[0]) if p.eos else -1
+        self.running = torch.full((b, k, self.max_length), fill, dtype=torch.int64, device=device)
         self.running[:, :, :n] = p.input_ids.reshape(b, k, n)
         self.sequences = self.running.clone()
         self.running_scores = torch.zeros((b, k), dtype=torch.float, device=device)
@@ -67,7 +70,7 @@ class BeamSearch:
         self.running_idx = torch.full((b, k, p.max_new_tokens), -1, dtype=torch.int32, device=device)
         self.beam_indices = self.running_idx.clone()
         self.offset = torch.arange(b, device=device).view(-1, 1) * k
-        self.seen = seen_mask(p.input_ids, vocab) if o.penalty is not None else None
+        self.seen = seen_mask(p.input_ids, vocab, mask=p.padding_mask) if o.penalty is not None else None
         self.cur_len = n
 
     def _candidates(self, logits: torch.Tensor) -> tuple:
@@ -76,6 +79,10 @@ class BeamSearch:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         if self.seen is not None:
             log_probs = penalize(log_probs, self.seen, self.options.penalty)
+        if self.processors is not None:  # transformers' processors on the running beams' ids so far
+            log_probs = self.processors(self.running[:, :, :cur].reshape(b * k, cur), log_probs)
+        if self.record is not None:
+            self.record.add(logits, log_probs)
         vocab = log_probs.shape[-1]
         acc = (log_probs.view(b, k, vocab) + self.running_scores[:, :, None]).reshape(b, k * vocab)
         topk_lp, topk_ix = torch.topk(acc, k=self.keep)
@@ -89,8 +96,12 @@ class BeamSearch:
         hits = torch.full((b, self.keep), cur + 1 >= self.max_length, dtype=torch.bool, device=logits.device)
         if self.eos is not None:
             hits |= (topk_ids[..., None] == self.eos).any(-1)
+        candidates = topk_running[:, :, : cur + 1].reshape(b * self.keep, -1)
         if self.stop is not None:
-            hits |= self.stop(topk_running[:, :, : cur + 1].reshape(b * self.keep, -1), self.n).view(b, self.keep)
+            hits |= self.stop(candidates, self.n).view(b, self.keep)
+        if self.criteria is not None:
+            scores = self.record.scores_so_far() if self.record is not None else None
+            hits |= self.criteria(candidates, scores).view(b, self.keep)
         return topk_lp, topk_running, topk_running_idx, hits
 
     def _merge_finished(self, topk_lp, topk_running, topk_running_idx, hits) -> None:
@@ -144,11 +155,14 @@ class BeamSearch:
         return tokens
 
     def best(self, num_return_sequences: int) -> torch.Tensor:
-        """The best hypotheses per prompt, rows b * num_return_sequences + r, cut to the longest of them."""
+        """The best hypotheses per prompt, rows b * num_return_sequences + r, cut to the longest of them; their
+        scores and beam indices (transformers' ``sequences_scores`` and ``beam_indices``) are kept as
+        ``self.chosen``."""
         r = num_return_sequences
         sequences = self.sequences[:, :r].reshape(self.b * r, -1)
         beam_indices = self.beam_indices[:, :r].reshape(self.b * r, -1)
         generated = int((beam_indices + 1).bool().sum(dim=1).max())
+        self.chosen = (self.beam_scores[:, :r].reshape(-1), beam_indices[:, :generated])
         return sequences[:, : self.n + generated]
 
 
@@ -167,4 +181,6 @@ def beam_search(d: Decoding, logits: torch.Tensor, advance: Callable) -> torch.T
         if beams.done(hits):
             break
         logits = advance(beams.next_tokens(), beams.beam_idx, i)
-    return beams.best(d.options.num_return_sequences).to(d.prompts.input_ids.dtype)
+    sequences = beams.best(d.options.num_return_sequences).to(d.prompts.input_ids.dtype)
+    d.beam_outputs = beams.chosen
+    return sequences

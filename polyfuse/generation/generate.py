@@ -12,6 +12,7 @@ when the run asks for them; everything here is device-agnostic. The settings are
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -20,11 +21,13 @@ from polyfuse.generation.beam_search import beam_search
 from polyfuse.generation.decoding import Decoding
 from polyfuse.generation.feeds import CachedFeed, FullForwardFeed, StaticFullForwardFeed
 from polyfuse.generation.greedy import greedy_in_place
+from polyfuse.generation.hf_config import model_generation_config
 from polyfuse.generation.options import GenerationOptions, check_generation_options, check_runtime_objects
 from polyfuse.generation.prefill import prefill, prompt_key_mask
 from polyfuse.generation.prompts import prepare_prompts
 from polyfuse.generation.speculative.loop import speculative_decode
 from polyfuse.generation.speculative.plan import make_proposer, plan_speculation
+from polyfuse.generation.step_hooks import StepProcessors, StepRecord, criteria_of
 from polyfuse.generation.steps import prepare_cache
 from polyfuse.generation.stopping import StopStrings
 from polyfuse.generation.token_loop import token_loop
@@ -33,17 +36,22 @@ from polyfuse.generation.token_state import TokenState
 
 __all__ = ["generate", "check_generation_options"]  # the latter: the CLI's check of its flags
 
+logger = logging.getLogger("polyfuse")
+_told: set = set()  # the per-token-loop reasons already logged (once each per process)
+
 
 @torch.inference_mode()
 def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """Return prompt + new ids [rows, L + n]. Rows that reached EOS are filled with ``pad_token_id`` afterwards and
     generation stops once every row is done (unless ``ignore_eos``). Prompts are left-padded (``attention_mask``).
 
-    ``kwargs``: the settings of :class:`GenerationOptions` (transformers' names: ``max_new_tokens``, ``do_sample``,
-    ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``num_beams``, ``num_return_sequences``,
+    ``kwargs``: the settings of :class:`GenerationOptions` (transformers' names: ``max_new_tokens``,
+    ``max_length``, ``min_length``, ``min_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+    ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``num_beams``, ``num_return_sequences``,
     ``length_penalty``, ``early_stopping``, ``stop_strings``, ``eos_token_id``, ``pad_token_id``, ``use_cache``,
-    ...; polyfuse's ``ignore_eos``, ``stop_token_ids``, ``bucket_size``), ``generation_config`` (a transformers
-    ``GenerationConfig``, the keywords over it), and the call's objects:
+    ``return_dict_in_generate``, ``output_scores``, ``output_logits``; polyfuse's ``ignore_eos``,
+    ``stop_token_ids``, ``bucket_size``), ``generation_config`` (a transformers ``GenerationConfig``: the keywords
+    over it, it over the model's ``generation_config``, as transformers), and the call's objects:
 
     * ``generator``: the sampling ``torch.Generator``;
     * ``tokenizer``: a tokenizer, or a callable decoding a list of ids to text (needed by ``stop_strings``: a row
@@ -51,25 +59,46 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     * ``streamer``: ``put(ids)`` / ``end()`` (transformers' BaseStreamer): the prompt, then each position's tokens
       [rows], then end(); not with beam search. Greedy in place then reads each token back (a sync per token);
     * ``hooks``: a :class:`polyfuse.generation.hooks.GenerationHooks` told the phase boundaries (timing);
+    * ``logits_processor`` / ``stopping_criteria``: transformers' lists, applied as transformers does (step_hooks.py);
     * speculative decoding (generation/speculative, docs/speculative.md): ``prompt_lookup_num_tokens`` (with
       ``max_matching_ngram_size``), ``assistant_model`` (a loaded draft model of the same tokenizer, with
       ``num_assistant_tokens``) or ``speculative_model`` (loaded EAGLE-3 heads; ``speculative_method="draft"``: a
       draft model), ``num_speculative_tokens`` (k). Greedy output is token for token the same; sampled output has
       the same distribution. With beam search or ``use_cache=False`` one warning, and no speculation.
 
+    With ``return_dict_in_generate`` the result is transformers' ``GenerateDecoderOnlyOutput`` (beam search:
+    ``GenerateBeamDecoderOnlyOutput``) with ``sequences`` and, where asked, ``scores`` / ``logits``.
+
     Beams and returned sequences are rows ``b * k + j``. Greedy decoding keeps the in-place TokenStep (and its CUDA
     graph) with ``repetition_penalty`` and ``stop_token_ids``; beam search and stop strings run the per-token step.
     """
-    names = ("generator", "tokenizer", "streamer", "hooks", "assistant_model", "speculative_model")
+    names = (
+        "generator",
+        "tokenizer",
+        "streamer",
+        "hooks",
+        "logits_processor",
+        "stopping_criteria",
+        "assistant_model",
+        "speculative_model",
+    )
     objects = {name: kwargs.pop(name, None) for name in names}
-    options = GenerationOptions.from_kwargs(**kwargs)
+    options = GenerationOptions.from_kwargs(model_config=model_generation_config(model), **kwargs)
     check_runtime_objects(options, objects["tokenizer"], objects["streamer"])
     drafts = objects["assistant_model"], objects["speculative_model"]
     speculation = plan_speculation(options, *drafts)
+    if speculation is not None and (objects["logits_processor"] or objects["stopping_criteria"] or options.outputs):
+        raise ValueError("speculative decoding takes no logits_processor, stopping_criteria, output_scores or "
+                         "output_logits: drop them or the speculative arguments")  # fmt: skip
     prompts = prepare_prompts(model, input_ids, attention_mask, options)
-    proposer = make_proposer(speculation, model, prompts.eos, *drafts) if speculation is not None else None
     stop = StopStrings(options.stop_strings, objects["tokenizer"]) if options.stop_strings else None
     d = Decoding(model, prompts, options, objects["generator"], stop, objects["streamer"], objects["hooks"])
+    proposer = make_proposer(speculation, model, prompts.eos, *drafts) if speculation is not None else None
+    d.processors = StepProcessors.build(
+        options, prompts.n, prompts.eos, prompts.input_ids.device, objects["logits_processor"]
+    )
+    d.criteria = criteria_of(objects["stopping_criteria"])
+    d.record = StepRecord(options) if options.return_dict_in_generate else None
     if d.streamer is not None:
         d.streamer.put(prompts.input_ids.cpu())
     if proposer is not None:
@@ -80,7 +109,21 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
         d.hooks.end(result.shape[1] - prompts.n)
     if d.streamer is not None:
         d.streamer.end()
+    if d.record is not None:
+        return d.record.output(result, d.beam_outputs)
     return result
+
+
+def per_token_reasons(d: Decoding) -> list:
+    """Why greedy decoding cannot run the in-place TokenStep (argmax, repetition penalty and EOS ids only)."""
+    o, reasons = d.options, list(d.options.processors_needed(d.prompts.n))
+    if d.processors is not None and len(d.processors.processors) > len(reasons):
+        reasons.append("logits_processor")
+    if d.criteria is not None:
+        reasons.append("stopping_criteria")
+    if o.outputs:
+        reasons.append("output_scores" if o.output_scores else "output_logits")
+    return reasons
 
 
 def decode_cached(d: Decoding) -> torch.Tensor:
@@ -88,6 +131,11 @@ def decode_cached(d: Decoding) -> torch.Tensor:
     model, p, options = d.model, d.prompts, d.options
     steps = prepare_cache(model, p.rows, p.total, options.bucket_size)
     in_place = steps.token is not None and options.greedy
+    if in_place and (reasons := per_token_reasons(d)):
+        in_place = False
+        if tuple(reasons) not in _told:
+            _told.add(tuple(reasons))
+            logger.info("polyfuse generate: greedy decoding runs the per-token loop for %s", ", ".join(reasons))
     state = TokenState.of(model.cache) if in_place else None
     if in_place:
         key_mask = state.key_mask  # a graph buffer of the token step

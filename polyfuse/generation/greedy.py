@@ -25,7 +25,7 @@ def _first_token(d: Decoding, state: TokenState, logits, eos) -> tuple:
     p, penalty = d.prompts, d.options.penalty
     extra = ()
     if penalty is not None:
-        seen = seen_mask(p.input_ids, logits.shape[-1], out=state.seen(logits.shape[-1]))
+        seen = seen_mask(p.input_ids, logits.shape[-1], out=state.seen(logits.shape[-1]), mask=p.padding_mask)
         logits = penalize(logits.float(), seen, penalty)
         extra = (seen, penalty)
     first = greedy_token(logits, state.finished, eos, p.pad_token_id)

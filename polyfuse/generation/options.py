@@ -2,11 +2,12 @@
 plus polyfuse's own (``ignore_eos``, ``stop_token_ids``, ``bucket_size``, ``speculative_method``,
 ``num_speculative_tokens``).
 
-``GenerationOptions.from_kwargs(generation_config=None, **kwargs)`` builds it once per ``generate()`` call: the
-fields a transformers ``GenerationConfig`` sets, then the keyword arguments over them (a keyword given as None leaves
-the field unset). Unset fields take polyfuse's defaults, which are transformers' except ``top_k`` (None: no top-k,
-where transformers fills in 50) and the length (20 new tokens, where transformers' default is ``max_length=20``).
-A setting polyfuse does not implement is refused (TypeError as a keyword, ValueError in a config), never ignored.
+``GenerationOptions.from_kwargs(generation_config=None, model_config=None, **kwargs)`` builds it once per
+``generate()`` call with transformers' precedence (hf_config.py): the keywords, over the passed config, over the
+model's ``generation_config``, over transformers' defaults (``top_k=50``; unset, the length is 20 new tokens, capped
+at the model's positions, as transformers' default ``max_length=20``). A keyword given as None clears its field
+(``top_k=None``: no top-k). A setting polyfuse does not implement is refused (TypeError as a keyword, ValueError in a
+config), never ignored.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from polyfuse.generation.hf_config import resolve
 from polyfuse.generation.sampling import validate_sampling
 from polyfuse.generation.stopping import as_stop_strings
 
@@ -22,8 +24,14 @@ from polyfuse.generation.stopping import as_stop_strings
 DEFAULT_NEW_TOKENS = 20
 SPECULATIVE_METHODS = ("prompt_lookup", "draft", "eagle3")
 MAX_SPECULATIVE_TOKENS = 32  # the widest verify step: k drafted tokens + 1 in one target forward
-# GenerationConfig fields that carry no setting for polyfuse's decoding (identity, bookkeeping, output format).
-_CONFIG_IGNORED = frozenset({"transformers_version", "_from_model_config", "bos_token_id", "decoder_start_token_id"})
+
+
+def _bad_words(value) -> Optional[tuple]:
+    if value is None:
+        return None
+    if not value or any(not isinstance(w, (list, tuple)) or not w for w in value):
+        raise ValueError(f"bad_words_ids must be a list of non-empty lists of token ids, got {value!r}")
+    return tuple(tuple(int(t) for t in w) for w in value)
 
 
 def _ids(value: Union[int, Sequence[int], None]) -> Optional[tuple]:
@@ -62,12 +70,20 @@ class GenerationOptions:
     num_assistant_tokens: Optional[int] = None  # transformers': k of assistant_model (a draft model)
     speculative_method: Optional[str] = None  # "prompt_lookup", "draft" or "eagle3" (default: from what is given)
     num_speculative_tokens: Optional[int] = None  # k of any method (default: the method's)
+    min_length: int = 0  # EOS is masked until the row (prompt included) is this long
+    min_new_tokens: Optional[int] = None  # EOS is masked for this many new tokens
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: Optional[Sequence[Sequence[int]]] = None  # kept as a tuple of tuples
+    return_dict_in_generate: bool = False  # a transformers GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput
+    output_scores: bool = False  # with return_dict_in_generate: each step's processed scores
+    output_logits: bool = False  # with return_dict_in_generate: each step's raw logits
 
     def __post_init__(self):
         # Normalized once here, so every reader sees tuples (frozen: set through object.__setattr__).
         object.__setattr__(self, "stop_strings", as_stop_strings(self.stop_strings))
         object.__setattr__(self, "eos_token_id", _ids(self.eos_token_id))
         object.__setattr__(self, "stop_token_ids", _ids(self.stop_token_ids) or ())
+        object.__setattr__(self, "bad_words_ids", _bad_words(self.bad_words_ids))
         self.validate()
 
     def validate(self) -> None:
@@ -98,6 +114,11 @@ class GenerationOptions:
             )
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        for name in ("min_length", "no_repeat_ngram_size"):
+            if not _is_count(getattr(self, name), 0):
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.min_new_tokens is not None and not _is_count(self.min_new_tokens, 0):
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {self.min_new_tokens!r}")
         self._validate_speculation()
 
     def _validate_speculation(self) -> None:
@@ -113,24 +134,24 @@ class GenerationOptions:
             )
 
     @classmethod
-    def from_kwargs(cls, generation_config=None, **kwargs) -> "GenerationOptions":
-        """From a transformers ``GenerationConfig`` (its set fields) and keyword arguments over it."""
+    def from_kwargs(cls, generation_config=None, model_config=None, **kwargs) -> "GenerationOptions":
+        """From keyword arguments over a transformers ``GenerationConfig`` over the model's (hf_config.py)."""
         names = {f.name for f in dataclasses.fields(cls)}
         for name in kwargs:
             if name not in names:
                 raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
-        values = _config_values(generation_config, names) if generation_config is not None else {}
-        values.update((k, v) for k, v in kwargs.items() if v is not None)
-        return cls(**values)
+        return cls(**resolve(model_config, generation_config, kwargs, names))
 
     # -- what the engine reads ------------------------------------------------------------------------------------
 
-    def new_tokens(self, prompt_len: int) -> int:
-        """How many tokens to generate after a prompt of ``prompt_len``."""
+    def new_tokens(self, prompt_len: int, max_positions: Optional[int] = None) -> int:
+        """How many tokens to generate after a prompt of ``prompt_len``; the default (neither length set) stops at
+        the model's ``max_positions``, as transformers' default does."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
         if self.max_length is None:
-            return DEFAULT_NEW_TOKENS
+            room = DEFAULT_NEW_TOKENS if max_positions is None else max_positions - prompt_len
+            return max(1, min(DEFAULT_NEW_TOKENS, room))
         if self.max_length <= prompt_len:
             raise ValueError(f"max_length ({self.max_length}) leaves no room after the prompt's {prompt_len} tokens")
         return self.max_length - prompt_len
@@ -156,22 +177,21 @@ class GenerationOptions:
         """Argmax tokens with no host-side check per token: what the in-place TokenStep can run."""
         return not self.do_sample and self.num_beams == 1 and not self.stop_strings
 
+    @property
+    def outputs(self) -> bool:
+        """Per-step scores or logits are returned (``return_dict_in_generate`` with ``output_scores`` / _logits)."""
+        return self.return_dict_in_generate and (self.output_scores or self.output_logits)
 
-def _config_values(config, names) -> dict:
-    """The fields a transformers ``GenerationConfig`` sets (``to_diff_dict``: the non-default ones) that polyfuse
-    reads; a ValueError naming any other set field that would change decoding."""
-    values, unsupported = {}, []
-    for key, value in config.to_diff_dict().items():
-        if key in names:
-            if value is not None:
-                values[key] = value
-        elif key not in _CONFIG_IGNORED and value not in (None, False):
-            unsupported.append(key)
-    if unsupported:
-        raise ValueError(
-            f"generation_config sets {', '.join(sorted(unsupported))}, which polyfuse's generate() does not support"
-        )
-    return values
+    def processors_needed(self, prompt_len: int) -> list:
+        """The settings that need transformers' logits processors on each step's scores (hence the per-token loop:
+        the in-place TokenStep runs argmax, the repetition penalty and EOS bookkeeping only)."""
+        needs = [
+            f"min_length={self.min_length}" if self.min_length > prompt_len else "",
+            f"min_new_tokens={self.min_new_tokens}" if self.min_new_tokens else "",
+            f"no_repeat_ngram_size={self.no_repeat_ngram_size}" if self.no_repeat_ngram_size else "",
+            "bad_words_ids" if self.bad_words_ids else "",
+        ]
+        return [n for n in needs if n]
 
 
 def check_runtime_objects(options: GenerationOptions, tokenizer=None, streamer=None) -> None:

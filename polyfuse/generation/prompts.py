@@ -33,6 +33,11 @@ class Prompts:
     def total(self) -> int:
         return self.n + self.max_new_tokens
 
+    @property
+    def padding_mask(self):
+        """The mask where some row is left-padded, else None."""
+        return self.mask if self.padded else None
+
     def position_ids(self) -> torch.Tensor:
         """Each row's positions [rows, n], counted from its first real token (padding at 1, as transformers)."""
         return (self.mask.long().cumsum(-1) - 1).masked_fill(~self.mask, 1)
@@ -43,7 +48,7 @@ def prepare_prompts(model, input_ids, attention_mask: Optional[torch.Tensor], op
         raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
     cfg = model.config
     n = input_ids.shape[1]
-    new_tokens = options.new_tokens(n)
+    new_tokens = options.new_tokens(n, cfg.max_position_embeddings)
     if n + new_tokens > cfg.max_position_embeddings:
         raise ValueError(
             f"prompt of {n} tokens + {new_tokens} new tokens exceeds the model's "

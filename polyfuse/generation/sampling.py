@@ -47,7 +47,12 @@ def next_token(
     """logits [B, V] -> token ids [B]."""
     if not do_sample:
         return logits.argmax(dim=-1)
-    probs = warp(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return draw(warp(logits, temperature, top_k, top_p), generator)
+
+
+def draw(scores: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One token per row [B] drawn from softmax(``scores`` [B, V]) (warped scores: dropped tokens at -inf)."""
+    probs = scores.softmax(dim=-1)
     if generator is not None and generator.device.type != probs.device.type:
         # A generator on another device (a CPU one for HPU tensors): draw on the generator's device.
         return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(1).to(probs.device)

@@ -1,6 +1,8 @@
-"""The per-token loop: each token chosen outside the step from its logits (sampling, stop strings, runtimes
-without in-place decoding such as HPU), then fed back (polyfuse.generation.feeds). With transformers' order: the
-repetition penalty, then the warpers and the draw (or argmax), finished rows padded, EOS ids and stop strings."""
+"""The per-token loop: each token chosen outside the step from its logits (sampling, stop strings, transformers'
+logits processors and stopping criteria, runtimes without in-place decoding such as HPU), then fed back
+(polyfuse.generation.feeds). In transformers' order: the fp32 logits, the repetition penalty, the other logits
+processors (step_hooks.py), the warpers and the draw (or argmax); finished rows padded; EOS ids, stop strings and
+stopping criteria."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from polyfuse.generation.decoding import Decoding
 from polyfuse.generation.logits_processors import mark_seen_, penalize, seen_mask
-from polyfuse.generation.sampling import next_token
+from polyfuse.generation.sampling import draw, warp
 
 
 class TokenPicker:
@@ -20,7 +22,7 @@ class TokenPicker:
         device = p.input_ids.device
         self.d, self.options = d, d.options
         self.eos = torch.tensor(p.eos, device=device) if p.eos else None
-        self.can_finish = self.eos is not None or d.stop is not None
+        self.can_finish = self.eos is not None or d.stop is not None or d.criteria is not None
         self.finished = torch.zeros(p.rows, dtype=torch.bool, device=device)
         self.out = torch.full((p.rows, p.max_new_tokens), p.pad_token_id, dtype=p.input_ids.dtype, device=device)
         # The column written next, a device tensor advanced in place (optimum-habana's token_idx): a Python index
@@ -28,13 +30,28 @@ class TokenPicker:
         self.col = torch.zeros(1, dtype=torch.long, device=device)
         self.seen = None  # the repetition penalty's seen ids [rows, vocab], made at the first logits
 
-    def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+    def ids_so_far(self, i: int) -> torch.Tensor:
+        """Every row's prompt and its first ``i`` new tokens [rows, n + i]."""
+        return torch.cat([self.d.prompts.input_ids, self.out[:, :i]], dim=1)
+
+    def scores(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        """The fp32 scores the token is chosen from: processed, then warped when sampling."""
         o, p, penalty = self.options, self.d.prompts, self.options.penalty
+        scores = logits.float()
         if penalty is not None:
             if self.seen is None:
-                self.seen = seen_mask(p.input_ids, logits.shape[-1])
-            logits = penalize(logits.float(), self.seen, penalty)
-        tok = next_token(logits, o.do_sample, o.temperature, o.top_k, o.top_p, self.d.generator)
+                self.seen = seen_mask(p.input_ids, logits.shape[-1], mask=p.padding_mask)
+            scores = penalize(scores, self.seen, penalty)
+        if self.d.processors is not None:
+            scores = self.d.processors(self.ids_so_far(i), scores)
+        return warp(scores, o.temperature, o.top_k, o.top_p) if o.do_sample else scores
+
+    def __call__(self, i: int, logits: torch.Tensor) -> torch.Tensor:
+        d, p = self.d, self.d.prompts
+        scores = self.scores(i, logits)
+        tok = draw(scores, d.generator) if self.options.do_sample else scores.argmax(dim=-1)
+        if d.record is not None:
+            d.record.add(logits, scores)
         if self.can_finish:
             tok = torch.where(self.finished, torch.full_like(tok, p.pad_token_id), tok)
         if self.eos is not None:
@@ -43,10 +60,14 @@ class TokenPicker:
         self.col.add_(1)
         if self.seen is not None:
             mark_seen_(self.seen, tok)
-        if self.d.stop is not None:
-            self.finished.logical_or_(self.d.stop(torch.cat([p.input_ids, self.out[:, : i + 1]], dim=1), p.n))
-        if self.d.streamer is not None:
-            self.d.streamer.put(tok.cpu())
+        if d.stop is not None or d.criteria is not None:
+            ids = self.ids_so_far(i + 1)
+            if d.stop is not None:
+                self.finished.logical_or_(d.stop(ids, p.n))
+            if d.criteria is not None:
+                self.finished.logical_or_(d.criteria(ids, d.record.scores_so_far() if d.record else None))
+        if d.streamer is not None:
+            d.streamer.put(tok.cpu())
         return tok
 
     def done(self, i: int) -> bool:

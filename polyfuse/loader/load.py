@@ -29,6 +29,8 @@ from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
 from polyfuse.distributed.context import agree, for_build
 from polyfuse.distributed.sharding import TensorParallelError
+from polyfuse.loader.hf_args import resolve_dtype
+from polyfuse.loader.hf_files import checkpoint_fields, generation_config_for, tokenizer_source
 from polyfuse.ops.attention import options_from_flags
 from polyfuse.quant import quantize
 from polyfuse.quant import report as quant_report
@@ -295,16 +297,21 @@ def from_pretrained(
     quant: Optional[str] = None,
     progress=None,
     quant_lm_head: bool = False,
+    *,
+    config=None,
+    config_updates: Optional[dict] = None,
 ):
-    """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
+    """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``dtype="auto"``: the
+    checkpoint's (hf_args.py). ``config``: a transformers config object used instead of the checkpoint's;
+    ``config_updates``: attributes set on the config (transformers' ``from_pretrained(path, attr=value)``). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
     Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
     GGUF's tensors stay quantized where a kernel takes them (quant/quantize.py). ``quant_lm_head``: a GGUF's own
     output.weight in such a type is kept as stored too, as the LM head (otherwise it is dequantized)."""
     t0 = time.perf_counter()
-    dtype = dtype_of(dtype) or torch.float32
     given, (path, gguf_file) = path, checkpoint_source(path, gguf_file)
     raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)
-    config = model_cls.config_for(raw, where)
+    dtype = resolve_dtype(dtype, raw, gguf_file is not None)
+    config = model_cls.config_for(checkpoint_fields(raw, config, config_updates, model_cls.config_class), where)
     tp = for_build(device, tp, training)
     gguf = _gguf_path(path, gguf_file) if gguf_file is not None else None
     qsetup = quantize.setup(quant, raw, path, gguf, device, dtype, flags, overrides, training, where, quant_lm_head)
@@ -333,6 +340,9 @@ def from_pretrained(
         torch.cuda.synchronize(model.device)
     model.load_seconds = time.perf_counter() - t0
     model.name_or_path = str(given)  # as transformers' models: PEFT writes it to adapter_config.json
+    model.config._name_or_path = str(given)
+    model.generation_config = generation_config_for(path, gguf_file, model.config)
+    model.tokenizer_source = tokenizer_source(path, gguf_file)
     return model
 
 

@@ -1,5 +1,8 @@
 """Write any polyfuse model as a transformers checkpoint: config.json + safetensors in transformers' weight names
-(the load-time fusions split back), sharded above a size, loadable by transformers and polyfuse alike.
+(the load-time fusions split back), sharded above a size, with generation_config.json and the tokenizer the model
+was loaded with. A float save loads in transformers as is; a quantized one in polyfuse's own format carries an empty
+``.weight`` beside each packed projection, so transformers without polyfuse refuses it (a size mismatch) instead of
+running that projection on random weights (docs/quantization.md).
 
 Every file is first written complete into a hidden staging folder inside the target folder (same filesystem), then
 moved into place with ``os.replace``: an error or Ctrl-C while writing leaves the folder as it was (the staging
@@ -17,8 +20,9 @@ import shutil
 import uuid
 
 from polyfuse.compat import set_config_dtype
+from polyfuse.loader.hf_files import save_tokenizer
 from polyfuse.loader.load import hf_state_items
-from polyfuse.quant.quantize import quantized_state_items
+from polyfuse.quant.quantize import quantized_state_items, refusal_placeholders
 
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -47,8 +51,9 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30, params=Non
     os.mkdir(staging)
     try:
         config.save_pretrained(staging)
+        extras = _write_extras(model, staging)
         shards, current, size = [], {}, 0
-        packed = quantized_state_items(model) if params is None else []  # packed weights: quantize.py
+        packed = [*quantized_state_items(model), *refusal_placeholders(model)] if params is None else []
         for name, t in [*hf_state_items(model, params), *packed]:
             if config.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -74,7 +79,17 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30, params=Non
         for old in sorted(_previous_weight_files(path), key=lambda f: not f.endswith(INDEX_NAME)):
             if os.path.basename(old) not in weights:
                 os.remove(old)
-        for fname in [*weights, *([INDEX_NAME] if len(weights) > 1 else []), "config.json"]:
+        for fname in [*extras, *weights, *([INDEX_NAME] if len(weights) > 1 else []), "config.json"]:
             os.replace(os.path.join(staging, fname), os.path.join(path, fname))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_extras(model, staging: str) -> list:
+    """generation_config.json and the tokenizer the model was loaded with, into ``staging``; their file names."""
+    before = set(os.listdir(staging))
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(staging)
+    save_tokenizer(getattr(model, "tokenizer_source", None), staging)
+    return sorted(set(os.listdir(staging)) - before - {"config.json"})

@@ -9,13 +9,13 @@ The engine (``polyfuse.generation`` / ``polyfuse.loader``) loads, saves and gene
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import ModelOutput
 
 from polyfuse.checkpoint.config import config_from_dict, head_dim
@@ -24,7 +24,7 @@ from polyfuse.core.errors import CheckpointError
 from polyfuse.distributed.context import SINGLE, building, building_context
 from polyfuse.distributed.sharding import Shard, TensorParallelError, check_columns, head_shard, split
 from polyfuse.loader import load as loading
-from polyfuse.loader import save as saving
+from polyfuse.models.hf_model import HFCausalLMBase
 from polyfuse.models.peft_lora import fused_adapters, plain_lora
 from polyfuse.models.projection_slice import ProjectionSlice, fused_slices_intact
 from polyfuse.models.rope import RotaryEmbedding
@@ -84,10 +84,10 @@ class LMHead(nn.Linear):
     [tokens, vocab] logits never materialized. The loss goes through the module's call too, not a bare read of
     ``weight``, so hooks on the head (FSDP2's unshard before, reshard after) run for it."""
 
-    def forward(self, h, labels=None, kernels=None):
+    def forward(self, h, labels=None, kernels=None, reduction: str = "mean"):
         if labels is None:
             return super().forward(h)
-        return kernels.linear_cross_entropy(h, self.weight, labels, -100, "mean")
+        return kernels.linear_cross_entropy(h, self.weight, labels, -100, reduction)
 
 
 def project(f: Forward, layer: nn.Module, x, up=None):
@@ -311,9 +311,18 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **unused):
+        """transformers' base-model call (``model.base_model(...)``, as TRL's fused LM head makes it): the final
+        norm's output as ``last_hidden_state``, computed by the causal LM that holds this module (``_owner``)."""
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("polyfuse's models take input_ids, not inputs_embeds")
+        h = self._owner.final_hidden(input_ids, attention_mask, position_ids)
+        return BaseModelOutputWithPast(last_hidden_state=h)
 
-class DecoderForCausalLM(nn.Module):
-    """HF-compatible causal LM. Build with ``from_pretrained`` / ``from_config``; a family sets the class fields."""
+
+class DecoderForCausalLM(HFCausalLMBase):
+    """A transformers ``PreTrainedModel`` (models/hf_model.py has that surface). Build with ``from_pretrained`` /
+    ``from_config``; a family sets the class fields."""
 
     config_class = None  # the family's transformers config class
     model_types: tuple = ()  # config.json model_type values this family takes
@@ -334,13 +343,13 @@ class DecoderForCausalLM(nn.Module):
     speculative_loader = None
 
     def __init__(self, config, tp=None):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         # Tensor parallelism (polyfuse.distributed, docs/distributed.md): the layers read their shard from the
         # building context; the LM head is vocab-parallel (``vocab``: this rank's rows), the embedding replicated.
         self.tp = tp if tp is not None else SINGLE
         with building(self.tp):
             self.model = DecoderModel(config, self.attention_cls)
+        object.__setattr__(self.model, "_owner", self)  # a plain attribute, not a submodule: no cycle
         self.vocab = None
         if self.tp.active:
             check_columns("vocabulary", config.vocab_size, self.tp.world_size)
@@ -356,9 +365,8 @@ class DecoderForCausalLM(nn.Module):
         self.steps = None  # the generation engine's step wrappers and graphs (core/model_protocol.py)
         self.attention_options: dict = {}
         self.gradient_checkpointing = False
-        # transformers' attribute, which PEFT's PeftModelForCausalLM.generate sets and reads; polyfuse's generate
-        # takes its options as arguments and never reads it.
-        self.generation_config = None
+        self.tokenizer_source = None  # (folder, gguf file) of the tokenizer a save writes beside the weights
+        self.post_init()  # transformers' bookkeeping (tied keys, ...); weights stay as built (hf_model.py)
 
     # -- building (core/model_protocol.py) ---------------------------------------------------------------------------
 
@@ -369,22 +377,10 @@ class DecoderForCausalLM(nn.Module):
         return config_from_dict(cls.config_class, raw, where)
 
     @classmethod
-    def from_pretrained(cls, path, gguf_file=None, dtype=torch.float32, device="cpu", flags=None, overrides="",
-                        training=False, quant=None, progress=None, quant_lm_head=False, **options):  # fmt: skip
-        """``options``: kernel options (polyfuse/core/kernel_options.py), added to ``flags``."""
-        return loading.from_pretrained(
-            cls, path, gguf_file, dtype, device, kernel_options.merge(flags, options), overrides, training,
-            quant=quant, progress=progress, quant_lm_head=quant_lm_head,
-        )  # fmt: skip
-
-    @classmethod
     def from_config(cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0,
                     quant=None, **options):  # fmt: skip
         flags = kernel_options.merge(flags, options)
         return loading.from_config(cls, config, dtype, device, flags, overrides, training, seed, quant=quant)
-
-    def save_pretrained(self, path: str, **kwargs) -> None:
-        saving.save_pretrained(self, path, **kwargs)
 
     def fused_projections(self) -> dict:
         attn, inter = self.model.layers[0].self_attn, self.model.layers[0].mlp.inter  # this rank's sizes under TP
@@ -415,7 +411,8 @@ class DecoderForCausalLM(nn.Module):
     def init_buffers(self, device) -> None:
         self.model.rotary_emb.init_frequencies(device)
 
-    def tie_weights(self) -> None:
+    def tie_weights(self, *args, **kwargs) -> None:
+        """Share the LM head with the embedding where the config says so (transformers' arguments unused)."""
         if self.config.tie_word_embeddings and not isinstance(self.lm_head, QLinear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -461,22 +458,6 @@ class DecoderForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
-
-    def generate(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
-        """polyfuse.generation.generate; ``speculative_model`` may be a folder here: EAGLE-3 heads (or, with
-        ``speculative_method="draft"``, a draft model), loaded once for this model and kept."""
-        from polyfuse.generation.generate import generate
-
-        path = kwargs.get("speculative_model")
-        if isinstance(path, (str, os.PathLike)):
-            load = type(self).speculative_loader
-            kwargs["speculative_model"] = load(self, str(path), kwargs.get("speculative_method"))
-        return generate(self, input_ids, attention_mask, **kwargs)
-
-    def prepare_inputs_for_generation(self, input_ids, **kwargs) -> dict:
-        """transformers' hook: PEFT's ``PeftModelForCausalLM`` reads it when it wraps a model (LoRA with
-        ``task_type="CAUSAL_LM"``). polyfuse's ``generate`` never calls it (the engine feeds its own steps)."""
-        return {"input_ids": input_ids, **kwargs}
 
     # -- the forward ---------------------------------------------------------------------------------------------
 
@@ -530,19 +511,28 @@ class DecoderForCausalLM(nn.Module):
             residual = residual.index_select(1, rows) if residual is not None else None
         return m.norm(pending, f, residual)
 
-    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, **unused) -> CausalLMOutput:
-        """Full-sequence forward without a cache (training, scoring). With ``labels`` the loss is computed by the
-        fused linear cross-entropy and the [tokens, vocab] logits are not materialized (``logits`` is None)."""
+    def final_hidden(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        """The final norm's output [B, L, H] of a full-sequence forward without a cache."""
         b, n = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(n, device=input_ids.device)[None].expand(b, n)
         key_mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        # An all-ones mask runs as plain causal attention; deciding it reads the mask on the host, which a traced
+        # forward cannot: under torch.compile a given mask is always applied (transformers' sdpa mask does the same).
+        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.all())):
             key_mask = attention_mask.bool()
         metas = self.make_metas(n, key_mask, torch.arange(n, device=input_ids.device), n, cached=False)
         self.model.rotary_emb.update_length(n)
         self.model.rotary_emb.ensure_length(n)
-        h = self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
+        return self.hidden_states(input_ids, position_ids, Forward(self.kernels, None, None, metas))
+
+    def forward(self, input_ids, attention_mask=None, labels=None, position_ids=None, num_items_in_batch=None,
+                **unused) -> CausalLMOutput:  # fmt: skip
+        """Full-sequence forward without a cache (training, scoring). With ``labels`` the loss is computed by the
+        fused linear cross-entropy and the [tokens, vocab] logits are not materialized (``logits`` is None): the
+        mean over the labelled tokens, or with ``num_items_in_batch`` (the Trainer's count over its accumulated
+        batches) their sum divided by it, as transformers' models."""
+        h = self.final_hidden(input_ids, attention_mask, position_ids)
         if labels is None:
             if self.vocab is not None:
                 return CausalLMOutput(logits=self.vocab_parallel_logits(h))
@@ -551,10 +541,16 @@ class DecoderForCausalLM(nn.Module):
             raise TensorParallelError("a tensor-parallel model computes logits, not losses (inference only)")
         shift_h = h[:, :-1].reshape(-1, h.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1).to(h.device)
+        reduction = "mean" if num_items_in_batch is None else "sum"
         if isinstance(self.lm_head, QLinear):  # a packed head (--quant_lm_head): float32 logits, then the plain loss
             logits = self.head_logits(shift_h.float())
-            return CausalLMOutput(loss=torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=-100))
-        loss = self.lm_head(shift_h, shift_labels, self.kernels)  # the fused linear cross-entropy, through the call
+            loss = torch.nn.functional.cross_entropy(logits, shift_labels, ignore_index=-100, reduction=reduction)
+        else:  # the fused linear cross-entropy, through the head's call
+            loss = self.lm_head(shift_h, shift_labels, self.kernels, reduction)
+        if num_items_in_batch is not None:
+            loss = loss / (
+                num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+            )
         return CausalLMOutput(loss=loss)
 
     # -- the engine's side (core/model_protocol.py) -----------------------------------------------------------------

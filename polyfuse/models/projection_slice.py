@@ -11,13 +11,38 @@ loading, tensor-parallel sharding and quantization see the model exactly as with
 While every slice of a fused projection is its own ``ProjectionSlice``, the model runs the one fused GEMM
 (``decoder.py``, ``fused_slices_intact``); once a tool has replaced one (a PEFT ``lora.Linear`` wrapping it), each
 part is projected by its own module. PEFT's ``merge_and_unload`` adds the adapter's delta into ``weight.data``, the
-fused weight's rows, and puts the slice back: the fused GEMM runs again, on the merged weight.
+fused weight's rows, and puts the slice back: the fused GEMM runs again, on the merged weight. With
+``safe_merge=True`` PEFT assigns a merged copy to ``weight.data`` instead: the rows a slice hands out
+(:class:`SliceRows`) copy what is assigned to their ``.data`` into the fused weight, so that merge lands too.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+class SliceRows(torch.Tensor):
+    """The rows of a fused weight as a slice hands them out: the same view (autograd included), whose ``.data``
+    assignment writes into those rows instead of detaching the view from them (``weight.data = merged``: PEFT's
+    safe merge). Operations on it give plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        rows = torch.Tensor.data.__get__(self)
+        if tuple(value.shape) != tuple(rows.shape):
+            raise ValueError(
+                f"a projection slice holds {tuple(rows.shape)} rows of its fused weight; cannot assign "
+                f"{tuple(value.shape)}"
+            )
+        if value.data_ptr() != rows.data_ptr():
+            rows.copy_(value)
 
 
 class ProjectionSlice(nn.Linear):
@@ -41,7 +66,10 @@ class ProjectionSlice(nn.Linear):
                 f"{self.fused_name} is a {type(self.fused()).__name__} without a dense weight (a quantized "
                 f"projection?): its slice {self.start}:{self.stop} has no weight to read"
             )
-        return None if t is None else t[self.start : self.stop]
+        if t is None:
+            return None
+        rows = t[self.start : self.stop]
+        return rows.as_subclass(SliceRows) if type(rows) is torch.Tensor else rows  # DTensors (FSDP2) as they are
 
     @property
     def weight(self) -> torch.Tensor:

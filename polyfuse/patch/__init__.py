@@ -14,6 +14,10 @@ import sys
 import types
 
 from polyfuse.patch.hf import PatchHandle, patch, unpatch
+from polyfuse.quant.hf_quantizer import register as _register_quantizer
+
+
+_register_quantizer()  # transformers refuses polyfuse's quantized saves in one line (quant/hf_quantizer.py)
 
 
 class _CallableModule(types.ModuleType):

@@ -12,7 +12,8 @@ What is swapped, per instance (X is the family's class prefix):
   * ``XMLP.forward``                    -> ``down_proj(kernels.swiglu(gate_proj(x), up_proj(x)))``
   * ``XForCausalLM.forward``            -> with labels, ``kernels.linear_cross_entropy`` over the final hidden states
                                            (logits are never materialized and ``.logits`` is None); without labels,
-                                           logits as before.
+                                           logits as before. A forward already set on the instance (TRL's fused
+                                           LM head) is kept, with a note.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ def _attention_forward(cls, kernels: Kernels):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kw):
         if unsqueeze_dim != 1 or kw:
             return orig_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, **kw)
+        # transformers' q * cos promotes: under bf16 autocast q is bf16 and cos float32, so the rotated q and k are
+        # float32. The op keeps its inputs' dtype, so it gets them promoted.
+        q, k = q.to(torch.promote_types(q.dtype, cos.dtype)), k.to(torch.promote_types(k.dtype, cos.dtype))
         return kernels.rotary(q, k, cos, sin)
 
     glb = dict(inner.__globals__)
@@ -374,8 +378,14 @@ def patch(
                 handle.bind(m, "forward", _decoder_layer_forward(kernels))
                 counts["add_rms_norm"] += 1
         elif isinstance(m, ml.ForCausalLM):
-            handle.bind(m, "forward", _causal_lm_forward(kernels))
-            counts["linear_cross_entropy"] += 1
+            if "forward" in m.__dict__:  # a forward someone set on this instance (TRL's fused LM head): kept
+                handle.notes.append(
+                    f"{type(m).__name__}.forward was replaced on this instance ({_owner_of(m.__dict__['forward'])}): "
+                    "kept: it computes the loss, the layers under it run the patched ops"
+                )
+            else:
+                handle.bind(m, "forward", _causal_lm_forward(kernels))
+                counts["linear_cross_entropy"] += 1
         if isinstance(m, ml.Model) and m.config not in configs:
             configs.append(m.config)
     if use_attn:
@@ -388,6 +398,11 @@ def patch(
     handle.patched = counts
     model.__dict__[_STATE_KEY] = handle
     return handle
+
+
+def _owner_of(fn) -> str:
+    """Where a function comes from, for a note: its module (``trl.trainer.utils``)."""
+    return getattr(getattr(fn, "__func__", fn), "__module__", None) or type(fn).__name__
 
 
 def find_handle(model: nn.Module) -> Optional[PatchHandle]:

@@ -346,7 +346,7 @@ class QuantSetup:
     def _place(self, mod: str, q: QLinear, rows, comp: str, tensor) -> Optional[str]:
         rows = rows or slice(0, q.out_features)
         hf = self.part_of[(mod, rows.start)]
-        if comp in IGNORED:
+        if comp in IGNORED or (comp == "weight" and is_placeholder(tensor)):
             return f"{hf}.{comp}"
         shard = shard_for(self.shards, f"{hf}.weight")
         whole = _whole(rows.stop - rows.start, q.in_features, shard)
@@ -417,7 +417,7 @@ class QuantSetup:
         rows = rows or slice(0, sum(s for _, s in parts))
         hf = next(p for (p, _), start in zip(parts, _starts(parts)) if start == rows.start)
         fmt, group = fmts[hf]
-        if comp in IGNORED:
+        if comp in IGNORED or (comp == "weight" and is_placeholder(tensor)):
             return f"{hf}.{comp}"
         buf = CT_NAMES.get(comp, comp) if self.ckpt.kind == "compressed-tensors" else comp
         shard = shard_for(self.shards, f"{hf}.weight")  # TP: the whole part is dequantized, then this rank's slice
@@ -718,7 +718,9 @@ def quantization_config(model) -> dict:
     qs = quantized_modules(model)
     fmts = {q.format for q in qs.values()}
     groups = {q.group_size for q in qs.values()}
-    if fmts == {"int4"} and len(groups) == 1:
+    # A GPTQ loader packs every projection of the layers: one kept dense would be read as missing packed weights.
+    dense = any(type(m) is nn.Linear for n, m in model.named_modules() if n.startswith("model.layers."))
+    if fmts == {"int4"} and len(groups) == 1 and not dense:
         return {
             "quant_method": "gptq", "bits": 4, "group_size": groups.pop(), "sym": False, "checkpoint_format": "gptq",
             "desc_act": any(q.act_order for q in qs.values()), "lm_head": head_quantized(model),
@@ -730,6 +732,25 @@ def quantization_config(model) -> dict:
             if q.format == "int4":
                 group_sizes[hf] = q.group_size
     return {"quant_method": "polyfuse", "version": 1, "formats": formats, "group_sizes": group_sizes}
+
+
+def refusal_placeholders(model):
+    """(``<part>.weight``, an empty tensor) for every packed part of a save in polyfuse's own format: transformers
+    without polyfuse builds that projection as a float ``nn.Linear`` and refuses the checkpoint on the size mismatch
+    (4.55 and 5.x alike) instead of loading random weights; polyfuse's loader skips them. AutoGPTQ's format gets
+    none (transformers reads it with its GPTQ quantizer)."""
+    qc = getattr(model.config, "quantization_config", None) or {}
+    if qc.get("quant_method") != "polyfuse":
+        return
+    for q in quantized_modules(model).values():
+        for hf, _ in q.hf_parts:
+            yield f"{hf}.weight", torch.empty(0, dtype=torch.uint8)
+
+
+def is_placeholder(tensor) -> bool:
+    """An empty ``.weight`` written by :func:`refusal_placeholders`."""
+    shape = shape_of(tensor)
+    return (tuple(_resolve(tensor).shape) if shape is None else shape) == (0,)
 
 
 def quantized_state_items(model):
