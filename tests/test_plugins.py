@@ -300,7 +300,8 @@ def _target(name: str) -> str:
 # not named here gets DEFAULT, so a new one is checked from its first file on.
 LOWER = ("core", "ops", "distributed", "compat")
 ALLOWED = {
-    "polyfuse": (),  # the root imports nothing: its names load on first use
+    # The root's names load on first use; it registers polyfuse's quantized format with transformers, if imported.
+    "polyfuse": ("quant",),
     "core": (),
     "compat": (),
     "ops": ("core",),

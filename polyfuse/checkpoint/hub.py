@@ -23,7 +23,7 @@ def local_checkpoint(
     local = os.path.join(path, subfolder) if subfolder else path
     if os.path.isdir(local) or (gguf_file is not None and os.path.isabs(gguf_file)):
         return local
-    if os.path.isfile(path) and path.endswith(".gguf"):  # a GGUF file given as the checkpoint (the loader splits it)
+    if os.path.isfile(path):  # a .gguf file is a checkpoint; the loader says what any other file is not
         return path
     if os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise CheckpointError(f"{path}: no such checkpoint folder")

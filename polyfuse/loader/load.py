@@ -54,7 +54,7 @@ def _target(fused: dict, hf_name: str) -> tuple[str, Optional[slice]]:
 
 
 def build(model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, tp=None,
-          quant=None):  # fmt: skip
+          quant=None):  # fmt: skip  # size: from_pretrained's and from_config's build keywords, passed on
     """Empty model (uninitialized storage) on ``device`` in ``dtype``, with kernels resolved. ``tp``: the
     ``polyfuse.distributed.TPContext`` whose rank's shard to build (only that shard gets storage); default: the
     process's context (``polyfuse.distributed.init`` / ``request_from_env``), never for training."""
@@ -300,7 +300,7 @@ def from_pretrained(
     *,
     config=None,
     config_updates: Optional[dict] = None,
-):
+):  # size: the public loading keywords (docs/architecture.md), one per documented option
     """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``dtype="auto"``: the
     checkpoint's (hf_args.py). ``config``: a transformers config object used instead of the checkpoint's;
     ``config_updates``: attributes set on the config (transformers' ``from_pretrained(path, attr=value)``). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
@@ -358,7 +358,7 @@ def init_generator(device, seed: int) -> torch.Generator:
 def from_config(
     model_cls, config, dtype=torch.float32, device="cpu", flags=None, overrides="", training=False, seed=0, tp=None,
     quant=None,
-):  # fmt: skip
+):  # fmt: skip  # size: the public from_config keywords
     """Random weights in the given shape (HF's init: normal(0, initializer_range), norms at one, biases at zero).
     Under tensor parallelism each rank draws only its shard, on its device; the replicated embedding is drawn
     first, from the same seed, so it is equal on every rank."""

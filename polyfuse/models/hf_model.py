@@ -77,7 +77,7 @@ class HFCausalLMBase(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, gguf_file=None, dtype=None, device=None, flags=None,
                         overrides="", training=False, quant=None, progress=None, quant_lm_head=False,
-                        **kwargs):  # fmt: skip  # transformers' signature, plus polyfuse's options
+                        **kwargs):  # fmt: skip  # size: transformers' signature, plus polyfuse's options
         options = dict(flags=flags, overrides=overrides, training=training, quant=quant, progress=progress,
                        quant_lm_head=quant_lm_head)  # fmt: skip
         return load_pretrained(lambda folder, gguf: cls, pretrained_model_name_or_path, gguf_file, dtype, device,

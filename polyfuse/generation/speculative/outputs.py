@@ -20,7 +20,7 @@ class RowOutputs:
         self.streamed = 0
         # each row's real tokens (no left padding), for prompt lookup's n-gram matching
         self.prompt_rows = [ids[m].tolist() for ids, m in zip(p.input_ids.cpu(), p.mask.cpu())]
-        self.seen = seen_mask(p.input_ids, vocab) if d.options.penalty is not None else None
+        self.seen = seen_mask(p.input_ids, vocab, mask=p.padding_mask) if d.options.penalty is not None else None
 
     def done(self, r: int) -> bool:
         return self.finished[r] or len(self.tokens[r]) >= self.max_new
