@@ -303,10 +303,11 @@ def from_pretrained(
 ):  # size: the public loading keywords (docs/architecture.md), one per documented option
     """``progress(nbytes, total_bytes)``: called as each tensor is copied (a loading bar). ``dtype="auto"``: the
     checkpoint's (hf_args.py). ``config``: a transformers config object used instead of the checkpoint's;
-    ``config_updates``: attributes set on the config (transformers' ``from_pretrained(path, attr=value)``). ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
-    Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads as stored, a
-    GGUF's tensors stay quantized where a kernel takes them (quant/quantize.py). ``quant_lm_head``: a GGUF's own
-    output.weight in such a type is kept as stored too, as the LM head (otherwise it is dequantized)."""
+    ``config_updates``: attributes set on the config (transformers' ``from_pretrained(path, attr=value)``).
+    ``quant``: fp8 | fp8_block | int8 | int4 quantizes a float checkpoint as it loads; gguf keeps a GGUF's
+    Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored; none dequantizes everything; None: a quantized checkpoint loads
+    as stored, a GGUF's tensors stay quantized where a kernel takes them (quant/quantize.py). ``quant_lm_head``: a
+    GGUF's own output.weight in such a type is kept as stored too, as the LM head (otherwise it is dequantized)."""
     t0 = time.perf_counter()
     given, (path, gguf_file) = path, checkpoint_source(path, gguf_file)
     raw, tensors, workers, where = read_checkpoint_config(path, gguf_file)

@@ -39,7 +39,8 @@ class AutoModelForCausalLM:
 
     @staticmethod
     def from_pretrained(path, gguf_file=None, dtype=None, device=None, flags=None, overrides="", training=False,
-                        quant=None, progress=None, quant_lm_head=False, **kwargs):  # fmt: skip  # size: transformers' signature, plus polyfuse's options
+                        quant=None, progress=None, quant_lm_head=False,
+                        **kwargs):  # fmt: skip  # size: transformers' keywords, plus polyfuse's
         options = dict(flags=flags, overrides=overrides, training=training, quant=quant, progress=progress,
                        quant_lm_head=quant_lm_head)  # fmt: skip
         return load_pretrained(_family_of_checkpoint, path, gguf_file, dtype, device, options, kwargs)
