@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: venv
 	$(PY) examples/run_generation.py --prompt "What is the capital of France?" --use_chat_template \
-		--max_new_tokens 20 --use_kv_cache --print_backends
+		--max_new_tokens 20 --no-ignore_eos --use_kv_cache --print_backends
 
 lint: venv
 	$(VENV)/bin/ruff check .
