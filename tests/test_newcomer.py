@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PAD, one_thread, tiny_config, write_tiny_cli_model, write_tiny_gguf  # noqa: F401  (autouse)
+from helpers import PAD, builtin_tokenizer, one_thread, tiny_config, write_tiny_cli_model, write_tiny_gguf  # noqa: F401  (autouse)
 
 from polyfuse.core.errors import CheckpointError
 from polyfuse.models import AutoModelForCausalLM, LlamaForCausalLM
@@ -21,13 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyfuse.checkpoint.tokenizer import load_tokenizer
-    from polyfuse.models.builtin import builtin_model
-
-    try:
-        return load_tokenizer(*builtin_model())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return builtin_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import one_thread, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
+from helpers import builtin_tokenizer, one_thread, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse.cli.generate import main
 
@@ -25,13 +25,7 @@ FAST = ("--device", "cpu", "--warmup", "0", "--n_iterations", "1", "--max_new_to
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from polyfuse.checkpoint.tokenizer import load_tokenizer
-    from polyfuse.models.builtin import builtin_model
-
-    try:
-        return load_tokenizer(*builtin_model())
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return builtin_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ backend on the test double of habana_frameworks (HPU graphs per k, none per acce
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -193,27 +192,13 @@ DOUBLE = Path(__file__).parent / "habana_double"
 @pytest.fixture
 def habana(monkeypatch):
     """The test double of habana_frameworks in lazy mode, for this test only."""
-    from polyfuse.backends.hpu import _habana
+    from test_hpu_backend import _forget_habana, _import_double
 
-    def forget():
-        double = sys.modules.get("habana_frameworks")
-        if double is not None and getattr(double, "TEST_DOUBLE", False):
-            double.shutdown()  # the double's hpu device goes with it
-        for name in list(sys.modules):
-            if name == "habana_frameworks" or name.startswith("habana_frameworks."):
-                del sys.modules[name]
-        _habana.clear_cache()
-
-    forget()
-    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
-    monkeypatch.syspath_prepend(str(DOUBLE))
-    import habana_frameworks
+    double = _import_double(monkeypatch, True)
     import habana_frameworks.torch  # noqa: F401  (the double's hpu device)
 
-    assert habana_frameworks.TEST_DOUBLE
-    habana_frameworks.reset()
-    yield habana_frameworks
-    forget()
+    yield double
+    _forget_habana()
 
 
 def on_hpu(model, flags):
