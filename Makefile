@@ -18,8 +18,8 @@ STAMP := $(VENV)/.installed
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PINS := torch==2.7.1 transformers==4.55.4 accelerate==1.10.1 peft==0.17.1 "numpy<2.4" safetensors gguf pytest \
-	pytest-xdist \
-	"setuptools>=77"
+	pytest-xdist "setuptools>=77" \
+	fastapi uvicorn prometheus_client openai httpx
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
 .PHONY: venv demo test test-slow test-all test-compat test-cuda test-hpu style lint bench clean

@@ -4,7 +4,15 @@ the device's fp8 range, Gaudi2 or Gaudi3 by ``HABANA_DOUBLE_DEVICE``). Nothing h
 
 import pytest
 import torch
-from test_hpu_backend import HPU, _forget_habana, _import_double, _on_hpu_backend, needs_gaudi, no_habana  # noqa: F401
+from test_hpu_backend import (  # noqa: F401
+    HPU,
+    _forget_habana,
+    _import_double,
+    _on_hpu_backend,
+    needs_gaudi,
+    no_default_device,
+    no_habana,
+)
 
 from polyfuse.backends.hpu import fp8_linear
 from polyfuse.backends.hpu.fp8_range import fit_gaudi2, halve_codes, rows_out_of_range
@@ -23,7 +31,7 @@ def gaudi(monkeypatch, request):
 
     torch.set_default_device("hpu")  # the tensors below are HPU tensors, as on a Gaudi
     yield double, request.param
-    torch.set_default_device(None)
+    no_default_device()
     _forget_habana()
 
 

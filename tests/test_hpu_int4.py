@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 from quant_cases import act_order
-from test_hpu_backend import HPU, _forget_habana, _import_double, _on_hpu_backend, needs_gaudi  # noqa: F401
+from test_hpu_backend import HPU, _forget_habana, _import_double, _on_hpu_backend, needs_gaudi, no_default_device  # noqa: F401
 
 from polyfuse.backends.hpu import int4_linear
 from polyfuse.core import registry
@@ -25,7 +25,7 @@ def hf(monkeypatch):
 
     torch.set_default_device("hpu")  # the tensors below are HPU tensors, as on a Gaudi
     yield double
-    torch.set_default_device(None)
+    no_default_device()
     _forget_habana()
 
 
