@@ -390,6 +390,18 @@ def run_generate(args, model, reqs: list) -> dict:
 PEERS = {"transformers": run_transformers, "generate": run_generate}
 
 
+def peer_missing(peer: str):
+    """Why this environment cannot run ``peer``, or None."""
+    if peer == "transformers":
+        from transformers.generation import configuration_utils
+
+        if not hasattr(configuration_utils, "ContinuousBatchingConfig"):
+            import transformers
+
+            return f"the transformers peer needs transformers' ContinuousBatchingConfig (5.x); this is {transformers.__version__}"
+    return None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -466,6 +478,8 @@ def main(argv=None) -> int:
     for peer in peers:
         if peer not in PEERS:
             raise SystemExit(f"error: unknown peer {peer!r} ({', '.join(PEERS)})")
+        if peer_missing(peer):
+            raise SystemExit(f"error: {peer_missing(peer)}")
     out = RowSink(args.output, args.results, torch.cuda.get_device_name(device) if device.type == "cuda" else
                   device.type)  # fmt: skip
     log(versions_row(device), out)
