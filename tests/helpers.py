@@ -397,3 +397,14 @@ def write_tiny_gguf(path, model, types: dict):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def decode_llama(seed: int = 5):
+    """polyfuse's Llama at a tiny GQA shape without EOS (every row runs to max_new_tokens), pad id 0."""
+    from polyfuse.models import LlamaForCausalLM
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=100, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM.from_config(cfg, seed=seed).eval()

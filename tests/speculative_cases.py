@@ -8,6 +8,7 @@ import os
 import torch
 import transformers
 
+from polyfuse.generation.hooks import GenerationHooks
 from polyfuse.models import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
@@ -82,3 +83,12 @@ def write_eagle3(path, target, seed: int = 0, draft_vocab: int = 96, layer_ids=N
         json.dump(config, f)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
     return str(path)
+
+
+class SpecStats(GenerationHooks):
+    """Hooks that keep the last call's SpeculationStats (None when the call did not speculate)."""
+
+    stats = None
+
+    def speculation(self, stats):
+        self.stats = stats

@@ -5,21 +5,16 @@ that order on every decoding path, with the number of new positions."""
 
 import pytest
 import torch
-import transformers
+from helpers import decode_llama
 from transformers import GenerationConfig
 
 from polyfuse.generation.hooks import GenerationHooks
 from polyfuse.generation.options import GenerationOptions
-from polyfuse.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=100, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM.from_config(cfg, seed=5).eval()
+    return decode_llama()
 
 
 IDS = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])

@@ -6,8 +6,7 @@ import contextlib
 
 import pytest
 import torch
-import transformers
-from helpers import Recorded, fake_cuda_graphs
+from helpers import Recorded, decode_llama, fake_cuda_graphs
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
@@ -15,16 +14,11 @@ from polyfuse.generation.hooks import PhaseTimer
 from polyfuse.generation.kv_cache import bucketed, ensure_cache
 from polyfuse.generation.steps import TokenStep, forget_steps
 from polyfuse.generation.token_state import TokenState
-from polyfuse.models.llama import LlamaForCausalLM
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=100, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    return LlamaForCausalLM.from_config(cfg, seed=5).eval()
+    return decode_llama()
 
 
 @pytest.fixture(autouse=True)

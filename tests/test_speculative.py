@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 from helpers import FakeGraph, fake_cuda_graphs, left_padded, one_thread, random_rows  # noqa: F401
-from speculative_cases import VOCAB, tiny, write_eagle3
+from speculative_cases import VOCAB, SpecStats, tiny, write_eagle3
 
 import polyfuse.generation.speculative.loop as loop
 from polyfuse.backends.cuda.graphs import GraphedStep
@@ -59,25 +59,6 @@ def assert_same(target, ids, mask, spec: dict, **kw):
     return got
 
 
-class Stats:
-    """The hooks' speculation stats of the last call."""
-
-    def __init__(self):
-        self.stats = None
-
-    def start(self):
-        pass
-
-    def first_token(self):
-        pass
-
-    def end(self, n):
-        pass
-
-    def speculation(self, stats):
-        self.stats = stats
-
-
 @pytest.fixture(scope="module")
 def llama():
     return tiny("llama", seed=1)
@@ -103,7 +84,7 @@ def proposers(llama, heads):
 def test_greedy_output_is_the_output_without_speculation(llama, heads, name, batch):
     ids, mask = batch()
     spec = proposers(llama, heads)[name]
-    hooks = Stats()
+    hooks = SpecStats()
     assert_same(llama, ids, mask, dict(spec, hooks=hooks), ignore_eos=True)
     s = hooks.stats
     assert s.method == ("prompt_lookup" if name == "prompt_lookup" else name.split("_")[0])
@@ -121,7 +102,7 @@ def test_every_family(family, tmp_path):
     target = tiny(family, seed=1)
     heads = load_eagle3(write_eagle3(tmp_path, target, seed=3, layer_ids=[0, 2, 4]), target)
     ids, mask = batch4()
-    hooks = Stats()
+    hooks = SpecStats()
     for spec in (
         dict(prompt_lookup_num_tokens=3),
         dict(assistant_model=similar(lambda: tiny(family, seed=1), 0.004), num_assistant_tokens=3),
@@ -138,7 +119,7 @@ def test_compaction_when_holes_fill_the_cache(llama, monkeypatch):
     """No slack for holes: the batch's cache runs full and is compacted in place, the output unchanged."""
     monkeypatch.setattr(loop, "HOLE_SLACK", 0)
     ids, mask = left_padded(repeating_rows((6, 3, 5, 4, 6, 2), 9))
-    hooks = Stats()
+    hooks = SpecStats()
     draft = similar(lambda: tiny("llama", seed=1), 0.006)
     assert_same(llama, ids, mask, dict(assistant_model=draft, num_assistant_tokens=5, hooks=hooks), ignore_eos=True)
     assert hooks.stats.compactions > 0
@@ -154,7 +135,7 @@ def test_quantized_target_and_draft():
     target = LlamaForCausalLM.from_config(cfg, seed=1, quant="int8").eval()
     draft = LlamaForCausalLM.from_config(cfg, seed=1, quant="int4").eval()
     ids, mask = batch4()
-    hooks = Stats()
+    hooks = SpecStats()
     assert_same(target, ids, mask, dict(assistant_model=draft, num_assistant_tokens=3, hooks=hooks), ignore_eos=True)
     assert hooks.stats.accepted > 0
     assert_same(target, ids, mask, dict(prompt_lookup_num_tokens=3))
@@ -199,7 +180,7 @@ def test_model_generate_loads_a_heads_folder(llama, tmp_path):
     assert llama._speculative_models[(path, False)] is not None  # loaded once, kept
     draft = str(tmp_path / "draft")
     similar(lambda: tiny("llama", seed=1), 0.004).save_pretrained(draft)
-    hooks = Stats()
+    hooks = SpecStats()
     assert_same(llama, ids, mask, dict(speculative_model=draft, speculative_method="draft", hooks=hooks))
     assert hooks.stats.method == "draft" and hooks.stats.accepted > 0
 
@@ -382,7 +363,7 @@ def test_sampling_keeps_the_target_distribution(small, name):
     target, draft, _, heads = small
     spec = {"prompt_lookup": dict(prompt_lookup_num_tokens=3), "draft": dict(assistant_model=draft, num_assistant_tokens=2),
             "eagle3": dict(speculative_model=heads, num_speculative_tokens=2)}[name]  # fmt: skip
-    hooks = Stats()
+    hooks = SpecStats()
     tokens = sample_tokens(target, dict(spec, hooks=hooks))
     s = hooks.stats
     assert s.accepted > 500 and s.drafted - s.accepted > 500, s  # both acceptances and rejections, many
@@ -471,7 +452,7 @@ def test_verify_and_draft_steps_through_cuda_graphs(llama, heads, monkeypatch):
         model.steps = None
     for spec in (dict(speculative_model=fresh_heads, num_speculative_tokens=4),
                  dict(assistant_model=draft, num_assistant_tokens=3)):  # fmt: skip
-        hooks = Stats()
+        hooks = SpecStats()
         for prompt_ids, prompt_mask in ((ids, mask), (ids.flip(0), mask.flip(0))):
             got = llama.generate(prompt_ids, prompt_mask, max_new_tokens=NEW, ignore_eos=True, hooks=hooks, **spec)
             assert torch.equal(got, want if prompt_ids is ids else want.flip(0))
@@ -529,7 +510,7 @@ def test_builtin_model_greedy_output_with_each_proposer(builtin, rows):
     want = model.generate(enc.input_ids, enc.attention_mask, **kw)
     for spec in (dict(prompt_lookup_num_tokens=8), dict(assistant_model=draft, num_assistant_tokens=4),
                  dict(speculative_model=heads, num_speculative_tokens=3)):  # fmt: skip
-        hooks = Stats()
+        hooks = SpecStats()
         got = model.generate(enc.input_ids, enc.attention_mask, hooks=hooks, **kw, **spec)
         assert torch.equal(got, want), (spec, tok.batch_decode(got[:, enc.input_ids.shape[1] :]))
         if "assistant_model" in spec:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import one_thread, write_tiny_cli_model  # noqa: F401  (one_thread: autouse fixture)
-from speculative_cases import VOCAB, tiny, write_eagle3
+from speculative_cases import VOCAB, SpecStats, tiny, write_eagle3
 
 from polyfuse.models import load_eagle3
 
@@ -257,7 +257,7 @@ def test_hpu_graphs_per_k_and_none_per_accepted_length(habana, method, tmp_path)
     keys = graph_keys(model_steps(target).decode.module)
     accepted = []
     for i, ids in enumerate(prompts):
-        stats = Recorder()
+        stats = SpecStats()
         got = target.generate(ids.to("hpu"), max_new_tokens=20, ignore_eos=True, hooks=stats, **spec)
         assert torch.equal(got.cpu(), native.generate(ids, max_new_tokens=20, ignore_eos=True))
         accepted.append(stats.stats.accepted)
@@ -271,19 +271,3 @@ def test_hpu_graphs_per_k_and_none_per_accepted_length(habana, method, tmp_path)
     assert names.count("hpu_graph_replay") > 20
     if method == "draft":
         assert sum(accepted) > 0
-
-
-class Recorder:
-    stats = None
-
-    def start(self):
-        pass
-
-    def first_token(self):
-        pass
-
-    def end(self, n):
-        pass
-
-    def speculation(self, stats):
-        self.stats = stats

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._online_softmax import online_softmax_step
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
@@ -86,16 +87,7 @@ def _decode_kernel(
             if WINDOWED:
                 valid = valid & (keys > last_key - window)
         s = tl.where(valid[None, :], s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = p
-        else:
-            pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, UPCAST, PRECISION)
     out_mask = r_mask[:, None] & d_mask[None, :]
     out_ptr = OUT + b * so_b + heads[:, None] * so_h + dd[None, :]
     if n_splits == 1:

@@ -23,10 +23,26 @@ import torch
 import triton
 import triton.language as tl
 
+from polyfuse.backends.triton._online_softmax import online_softmax_step
 from polyfuse.backends.triton._pdl import pdl_options, wait_prior
 from polyfuse.backends.triton._rounding import INTERPRET, cast_rne
 from polyfuse.backends.triton._util import sm_count
 from polyfuse.ops.paged_attention import PagedMeta
+
+
+@triton.jit
+def _paged_kv_tile(K, V, TABLE_ROW, keys, n_mask, g, dd, d_mask, sk_n, sk_b, sk_h, sv_n, sv_b, sv_h,
+                   BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """Keys and values [N, D] of kv head ``g`` at positions ``keys``, found through one block-table row."""
+    block = tl.load(TABLE_ROW + keys // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    offset = keys % BLOCK_SIZE
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(K + block[:, None] * sk_n + offset[:, None] * sk_b + g * sk_h + dd[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + block[:, None] * sv_n + offset[:, None] * sv_b + g * sv_h + dd[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -59,33 +75,14 @@ def _paged_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         keys = n0 + nn
         n_mask = keys < end
-        block = tl.load(TABLES + s * st_s + keys // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + block[:, None] * sk_n + offset[:, None] * sk_b + g * sk_h + dd[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + block[:, None] * sv_n + offset[:, None] * sv_b + g * sv_h + dd[None, :], mask=kv_mask, other=0.0
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _paged_kv_tile(K, V, TABLES + s * st_s, keys, n_mask, g, dd, d_mask, sk_n, sk_b, sk_h, sv_n, sv_b, sv_h,
+                              BLOCK_SIZE, UPCAST)  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         valid = n_mask
         if WINDOWED:
             valid = valid & (keys > seq_len - 1 - window)
         scores = tl.where(valid[None, :], scores, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = p
-        else:
-            pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, UPCAST, PRECISION)
     out_mask = r_mask[:, None] & d_mask[None, :]
     if n_splits == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -158,33 +155,14 @@ def _paged_prefill_kernel(
     for n0 in range(first, last + 1, BLOCK_N):
         keys = n0 + nn
         n_mask = keys <= last
-        block = tl.load(TABLES + s * st_s + keys // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offset = keys % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + block[:, None] * sk_n + offset[:, None] * sk_b + g * sk_h + dd[None, :], mask=kv_mask, other=0.0
-        )
-        v = tl.load(
-            V + block[:, None] * sv_n + offset[:, None] * sv_b + g * sv_h + dd[None, :], mask=kv_mask, other=0.0
-        )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _paged_kv_tile(K, V, TABLES + s * st_s, keys, n_mask, g, dd, d_mask, sk_n, sk_b, sk_h, sv_n, sv_b, sv_h,
+                              BLOCK_SIZE, UPCAST)  # fmt: skip
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         seen = (keys[None, :] <= pos[:, None]) & n_mask[None, :]
         if WINDOWED:
             seen = seen & (keys[None, :] > pos[:, None] - window)
         scores = tl.where(seen, scores, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if UPCAST:
-            pv = p
-        else:
-            pv = p.to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, scores, v, UPCAST, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + rows[:, None] * so_t + h * so_h + dd[None, :], cast_rne(out, OUT.dtype.element_ty),
              mask=real[:, None] & d_mask[None, :])  # fmt: skip
