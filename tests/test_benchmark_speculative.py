@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import make_table
 
 
@@ -13,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
 
 
+@pytest.mark.slow
 def test_benchmark_speculative_tiny(tmp_path):
     out = tmp_path / "spec.jsonl"
     proc = subprocess.run(

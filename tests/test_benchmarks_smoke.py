@@ -251,6 +251,7 @@ def test_bench_prefill_times_after_idling_and_frees_the_prompt_graph_before_the_
     assert [kw.get("pause", 0.0) for kw in timed] == [0.0, 0.5, 0.0, 0.5, 0.0, 0.5, 0.0]
 
 
+@pytest.mark.slow
 def test_benchmark_serving_tiny(tmp_path):
     """benchmark_serving.py at the tiny shape: polyfuse over HTTP, transformers' continuous batching and generate()
     at batch 1 on the same requests; every request completes with exactly its output length in both servers."""

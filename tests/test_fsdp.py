@@ -9,7 +9,7 @@
   consolidated transformers checkpoint that transformers and polyfuse load, with the single-process run's weights
   (within (1e-4, 1e-5), the convergence test's tolerance) and greedy tokens;
 * ``torchrun examples/run_clm.py`` on the built-in model (SmolLM2-135M, tied embeddings, 30 layers), polyfuse's
-  Llama (the patched transformers Llama too with POLYFUSE_SLOW_TESTS=1): losses equal the single-process run within
+  Llama and the patched transformers Llama: losses equal the single-process run within
   1e-5 relative, rank 0 alone prints, the saved folder generates the single-process run's greedy tokens in
   transformers and in polyfuse;
 * bad input: FSDP1 and CPU offload on a CPU run are one ``error:`` line; more processes than decoder layers, ranks
@@ -54,7 +54,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN_CLM = str(ROOT / "examples" / "run_clm.py")
 LOSS_RTOL = 1e-5
 PARAM_TOL = {"atol": 1e-4, "rtol": 1e-5}
-SLOW = bool(os.environ.get("POLYFUSE_SLOW_TESTS"))
 
 
 def _env(**extra) -> dict:
@@ -280,10 +279,7 @@ CLM = ["--max_steps", "5", "--block_size", "16", "--logging_steps", "1", "--repo
     "impl",
     [
         "polyfuse",
-        pytest.param(
-            "transformers",
-            marks=pytest.mark.skipif(not SLOW, reason="a second built-in FSDP run (~2 min): POLYFUSE_SLOW_TESTS=1"),
-        ),
+        "transformers",
     ],
 )
 @pytest.mark.slow
@@ -518,9 +514,7 @@ def test_benchmark_fsdp_tiny_under_torchrun(tmp_path):
 TINY_OVERRIDES = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2"
 
 
-@pytest.mark.skipif(
-    not SLOW, reason="200 training steps twice (tiny: ~1 min; built-in: ~15 min): POLYFUSE_SLOW_TESTS=1"
-)
+@pytest.mark.slow  # 200 training steps twice (tiny: ~1 min; built-in: ~15 min)
 @pytest.mark.parametrize("model", ["tiny", "builtin"])
 def test_run_clm_200_steps_reach_the_same_loss_with_and_without_fsdp2(tmp_path, model):
     """200 steps of run_clm.py (polyfuse's Llama), FSDP2 over 2 processes against one process with the same global

@@ -3,8 +3,6 @@ ids, streaming. Each is compared token for token with transformers' ``generate``
 random Llama saved by polyfuse and loaded by transformers), through every decoding path: the in-place greedy
 TokenStep, the per-token loop, no cache, KV buckets, and the steps wrapped in (faked) CUDA graphs."""
 
-import os
-
 import pytest
 import torch
 from helpers import (
@@ -361,12 +359,10 @@ def test_stop_strings_stop_where_transformers_stops(worded):
     )
 
 
-# -- the built-in model (SmolLM2-135M-Instruct): opt-in, its two GGUF loads take minutes on two cores --------------
+# -- the built-in model (SmolLM2-135M-Instruct): slow, its two GGUF loads take minutes on two cores --------------
 
 
-@pytest.mark.skipif(
-    not os.environ.get("POLYFUSE_SLOW_TESTS"), reason="loads the built-in model twice; set POLYFUSE_SLOW_TESTS=1"
-)
+@pytest.mark.slow  # loads the built-in model twice
 def test_builtin_beam_search_and_penalty_match_transformers():
     from polyfuse.checkpoint.tokenizer import load_tokenizer
     from polyfuse.models.builtin import builtin_model

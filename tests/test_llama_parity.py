@@ -271,6 +271,7 @@ def chat(tok, prompts):
     return enc.input_ids, enc.attention_mask
 
 
+@pytest.mark.slow
 def test_builtin_logits_match_hf(builtin):
     ours, hf, tok = builtin
     ids, mask = chat(tok, PROMPTS)

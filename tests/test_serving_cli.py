@@ -153,6 +153,7 @@ def same_answers(a: list, b: list) -> None:
         assert max(abs(u - v) for rx, ry in zip(x, y) for u, v in zip(rx, ry)) < 1e-4
 
 
+@pytest.mark.slow
 def test_tensor_parallel_serve_matches_one_process(tiny_model, single_answers):
     cmd = torchrun_cmd("-m", "polyfuse", "serve", "--model_name_or_path", tiny_model, "--served_model_name", "m",
                        "--port", "0")  # fmt: skip

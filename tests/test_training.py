@@ -97,8 +97,7 @@ def test_convergence_triton_kernels_interpreted(reference):
     if not used:
         pytest.skip("only attention has a Triton training kernel")
     # The interpreter runs one program instance at a time: a smaller batch keeps 32 steps affordable.
-    # ~3 s per interpreted step: 6 steps in `make test`, the full 32 with POLYFUSE_SLOW_TESTS=1.
-    small = {"batch": 1, "seq": 8, "steps": STEPS if os.environ.get("POLYFUSE_SLOW_TESTS") else 6}
+    small = {"batch": 1, "seq": 8, "steps": STEPS}  # ~3 s per interpreted step
     assert_converges_like(train_curve(k, **small), train_curve(None, **small))
 
 
