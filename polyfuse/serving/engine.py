@@ -6,6 +6,10 @@ token with its own parameters (sampling.py), its text grows incrementally (detok
 EOS / stop token, a stop string, ``max_tokens`` or ``max_model_len``; finished sequences give their blocks back
 before the step returns. A request with ``n > 1`` is ``n`` sequences (choices) sharing the prompt through the prefix
 cache. The engine is single-threaded: async_engine.py drives it from a thread of its own.
+
+With speculative decoding (``EngineConfig.speculative``, speculation.py) a decoding sequence's step verifies the
+tokens prompt lookup drafted for it and may add several tokens; each is checked for the end in turn, so nothing
+past an EOS, a stop string or ``max_tokens`` is added, and the cache is rolled back past the rejected drafts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
+from polyfuse.generation.speculative.settings import SpeculativeSetting
 from polyfuse.serving.block_manager import BlockManager
 from polyfuse.serving.detokenize import Detokenizer, find_stop, ready_text
 from polyfuse.serving.kv_cache import PagedKVCache
@@ -24,6 +29,7 @@ from polyfuse.serving.request import SamplingParams, Sequence
 from polyfuse.serving.runner import Item, ModelRunner
 from polyfuse.serving.sampling import sample
 from polyfuse.serving.scheduler import Scheduler
+from polyfuse.serving.speculation import PromptLookupDrafter, SpecStats, choose
 
 
 logger = logging.getLogger("polyfuse")
@@ -39,6 +45,7 @@ class EngineConfig:
     prefix_caching: bool = True
     bucket_size: int = 128  # Gaudi's static-shape step (runner.py)
     seed: int = 0
+    speculative: Optional[SpeculativeSetting] = None  # prompt lookup's k and n-gram size (speculation.py)
 
 
 @dataclass
@@ -81,11 +88,16 @@ class Engine:
             layers, config.num_blocks, config.block_size, kv_heads, hd, model.dtype, model.device
         )
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.eos = eos_ids(tokenizer, model.config)
+        spec = config.speculative
+        if spec is not None and spec.method != "prompt_lookup":
+            raise ValueError(f"the serving engine drafts by prompt lookup only, not {spec.method}")
+        propose = PromptLookupDrafter(spec, self.eos, config.max_model_len) if spec is not None else None
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, propose=propose)
+        self.spec = SpecStats() if spec is not None else None
         model.prepare_positions(config.max_model_len)
         self.runner = ModelRunner(model, self.cache, config.max_num_seqs, config.max_model_len, config.bucket_size)
         self.detok = Detokenizer(tokenizer)
-        self.eos = eos_ids(tokenizer, model.config)
         self.broadcast = broadcast  # tensor parallelism: hands each step's batches to the other ranks first
         gen_device = model.device if model.device.type == "cuda" else "cpu"
         self.generator = torch.Generator(device=gen_device).manual_seed(config.seed)
@@ -138,10 +150,9 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        items = [
-            Item(s.seq.token_slice(s.start, s.count), s.start, self.blocks.table(s.seq.seq_id), s.samples)
-            for s in plan.prefills + plan.decodes
-        ]
+        scheduled = plan.prefills + plan.decodes
+        items = [Item(s.tokens(), s.start, self.blocks.table(s.seq.seq_id), s.samples, bool(s.drafts))
+                 for s in scheduled]  # fmt: skip
         n_p = len(plan.prefills)
         batches = self.runner.batches(items[:n_p], items[n_p:])
         if self.broadcast is not None:
@@ -149,38 +160,66 @@ class Engine:
         logits = self.runner.run(batches)
         self.scheduler.computed(plan)
         self.stats.steps += 1
-        sampling = [s.seq for s in plan.prefills + plan.decodes if s.samples]
-        if not sampling:
+        work = [s for s in scheduled if s.samples]
+        if not work:
             return []
-        tokens, logprobs = sample(logits, sampling, self.generator)
+        seqs = [s.seq for s in work]
+        if self.spec is None:
+            tokens, logprobs = sample(logits, seqs, self.generator)
+            emitted = [[t] for t in tokens]
+            logprobs = [None if lp is None else [lp] for lp in logprobs]
+        else:
+            emitted, logprobs = choose(logits, seqs, [s.drafts for s in work], self.generator)
         now = time.monotonic()
-        return [self._append(seq, tok, lp, now) for seq, tok, lp in zip(sampling, tokens, logprobs)]
+        deltas = [self._emit(seq, toks, lps, now) for seq, toks, lps in zip(seqs, emitted, logprobs)]
+        if self.spec is not None:
+            self._speculated(work, emitted)
+        return deltas
 
-    def _append(self, seq: Sequence, token: int, logprob, now: float) -> Delta:
-        seq.output.append(token)
+    def _speculated(self, work: list, emitted: list) -> None:
+        """Count the step's decodes and roll each sequence's cache back past its rejected drafts."""
+        for s, toks in zip(work, emitted):
+            if s.drafts:
+                self.spec.drafted += len(s.drafts)
+                self.spec.accepted += len(toks) - 1
+                if not s.seq.finished:
+                    self.scheduler.rollback(s.seq, s.start + len(toks))
+            if s.count - len(s.drafts) == 1 and s.start >= len(s.seq.prompt):  # a decode, not a prompt's last token
+                self.spec.decode_steps += 1
+                self.spec.draft_steps += bool(s.drafts)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> Optional[str]:
+        p = seq.params
+        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        new = self.detok.update(seq)
+        if find_stop(seq, len(new)):
+            return "stop"
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, seq: Sequence, tokens: list, logprobs: Optional[list], now: float) -> Delta:
+        """Add ``tokens`` to ``seq`` in turn up to the one that ends it (the rest are dropped)."""
         if seq.first_token_time is None:
             seq.first_token_time = now
-        self.stats.generation_tokens += 1
-        lps = []
-        if logprob is not None:
-            seq.logprobs.append((token, *logprob))
-            lps.append((token, *logprob))
-        p = seq.params
-        reason = None
-        if (token in self.eos and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        else:
-            new = self.detok.update(seq)
-            if find_stop(seq, len(new)):
-                reason = "stop"
-        if reason is None and (len(seq.output) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len):
-            reason = "length"
+        taken, lps, reason = [], [], None
+        for i, token in enumerate(tokens):
+            seq.output.append(token)
+            taken.append(token)
+            self.stats.generation_tokens += 1
+            if logprobs is not None and logprobs[i] is not None:
+                seq.logprobs.append((token, *logprobs[i]))
+                lps.append((token, *logprobs[i]))
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                break
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
             if all(s.finished for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
-        return Delta(seq.request_id, seq.index, ready_text(seq), [token], lps, reason, len(seq.prompt),
+        return Delta(seq.request_id, seq.index, ready_text(seq), taken, lps, reason, len(seq.prompt),
                      seq.cached_tokens)  # fmt: skip
 
     # -- state, for metrics and tests --------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ and every rank runs it). Rows are prefill chunks first, then one row per decode.
   then captured once per bucket, never per request.
 
 Padded rows write their keys and values into the padding block 0 and attend to it alone; their logits are dropped.
+A speculative sequence's verify rows (its last token and its drafts) are a prefill chunk whose every row gives logits.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Item:
     start: int  # position of the first
     table: list  # the sequence's block table
     samples: bool  # whether its last row gives logits
+    verify: bool = False  # speculative decoding: every row gives logits (the drafts' and the one after them)
 
 
 @dataclass
@@ -143,7 +145,8 @@ class ModelRunner:
             pos.extend([0] * (rows_taken - n))
             slots.extend([0] * (rows_taken - n))
             if item is not None and item.samples:
-                rows.append(len(ids) - rows_taken + n - 1)
+                last = len(ids) - rows_taken + n - 1
+                rows.extend(range(last - n + 1, last + 1) if item.verify else (last,))
 
         p_part = d_part = None
         width = 0
@@ -183,7 +186,7 @@ class ModelRunner:
         else:
             keep, logits_rows = list(range(len(rows))), torch.tensor(rows, dtype=torch.long)
             if grid:  # a static number of logits rows too
-                n_logits = pow2(len(prefills) if prefills else len(decodes))
+                n_logits = pow2(max(len(rows), len(prefills) if prefills else len(decodes)))
                 logits_rows = torch.cat([logits_rows, logits_rows.new_zeros(n_logits - len(rows))])
         return StepBatch(
             torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
@@ -201,7 +204,8 @@ class ModelRunner:
     # -- running ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batches: list) -> torch.Tensor:
-        """The logits [sampling sequences, vocab] of the step's batches, in order."""
+        """The logits [rows, vocab] of the step's batches, in order: one row per sampling sequence, and one per
+        verified position of a speculative one."""
         out = []
         for b in batches:
             logits = self._call(b)
