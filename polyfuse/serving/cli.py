@@ -113,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:  # size: the server's flags, one 
         help="waiting requests at most; beyond it a request is answered 429",
     )
     a("seed", group=g, type=int, default=0, help="seed of the sampling of requests without a seed of their own")
+    a(
+        "num_scheduler_steps",
+        group=g,
+        type=int,
+        default=1,
+        metavar="N",
+        help="multi-step decoding: a batch of decodes runs this many steps back to back on the device, one host "
+        "sync for them all, 1..64 (new requests wait at most that long; not with speculative decoding or tensor "
+        "parallelism)",
+    )
 
     g = p.add_argument_group("speculative decoding (run_generation.py's names; docs/serving.md)")
     a("speculative_method", group=g, default=None, choices=["prompt_lookup", "ngram"],
@@ -194,4 +204,7 @@ def validate(args) -> None:
         raise UsageError(f"--shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key == "":
         raise UsageError("--api_key is empty")
-    speculative_setting_of(args)
+    if not 1 <= args.num_scheduler_steps <= 64:
+        raise UsageError(f"--num_scheduler_steps must be in 1..64, got {args.num_scheduler_steps}")
+    if speculative_setting_of(args) is not None and args.num_scheduler_steps > 1:
+        raise UsageError("--num_scheduler_steps > 1 and speculative decoding: give one of them")

@@ -19,8 +19,8 @@ A speculative sequence's verify rows (its last token and its drafts) are a prefi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -192,6 +192,33 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long), p_part, d_part, logits_rows, keep, width,
         )  # fmt: skip
+
+    def chain_batches(self, items: list, limits: list) -> list:
+        """Multi-step decoding: the batches of ``max(limits)`` decode steps of ``items`` back to back, step i at
+        position ``start + i`` of item j while ``i < limits[j]``; past it the row repeats its last position and
+        writes the padding block (its logits are not used). Input ids past the first step come from the device."""
+        out = []
+        for i in range(max(limits)):
+            step = [Item(it.tokens, it.start + min(i, r - 1), it.table, True) for it, r in zip(items, limits)]
+            b = self._batch([], step)
+            spent = [j for j, r in enumerate(limits) if i >= r]  # decode rows are the batch's first rows
+            if spent:
+                b.slots[spent] = 0
+            out.append(b)
+        return out
+
+    @torch.inference_mode()
+    def run_chain(self, batches: list, choose: Callable) -> list:
+        """Run decode batches back to back, each step's input ids the tokens ``choose(logits)`` picked in the step
+        before, on the device: no host sync between the steps. Returns each step's tokens (device tensors)."""
+        out: list = []
+        for b in batches:
+            if out:
+                prev, rows = out[-1], b.input_ids.shape[0]
+                ids = prev if prev.shape[0] == rows else torch.cat([prev, prev.new_zeros(rows - prev.shape[0])])
+                b = replace(b, input_ids=ids)
+            out.append(choose(self.run([b])))
+        return out
 
     def warmup(self) -> None:
         """With CUDA graphs: capture the decode step of every batch-size bucket now (all padding: only the padding

@@ -19,6 +19,11 @@ def _draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Te
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def _index(rows: list, device) -> torch.Tensor:
+    """Row indices on ``device``, copied without a host sync (a blocking copy would wait for the device's queue)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 def draw_tokens(logits: torch.Tensor, seqs: list, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """The next token [len(seqs)] of each sequence, on the logits' device (no host sync but a seeded sequence's
     draw on another device's generator)."""
@@ -28,7 +33,7 @@ def draw_tokens(logits: torch.Tensor, seqs: list, generator: Optional[torch.Gene
     tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
     if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
+        rows = _index(greedy, logits.device)
         tokens[rows] = logits.index_select(0, rows).argmax(-1)
     groups: dict = {}
     for i, s in enumerate(seqs):
@@ -36,11 +41,11 @@ def draw_tokens(logits: torch.Tensor, seqs: list, generator: Optional[torch.Gene
             p = s.params
             groups.setdefault((p.temperature, p.top_k or None, p.top_p), []).append(i)
     for (temperature, top_k, top_p), idx in groups.items():
-        rows = torch.tensor(idx, device=logits.device)
+        rows = _index(idx, logits.device)
         probs = warp(logits.index_select(0, rows), temperature, top_k, top_p).softmax(-1)
         shared = [j for j, i in enumerate(idx) if seqs[i].generator is None]
         if shared:
-            pick = torch.tensor(shared, device=logits.device)
+            pick = _index(shared, logits.device)
             tokens[rows[pick]] = _draw(probs.index_select(0, pick), generator)
         for j, i in enumerate(idx):
             if seqs[i].generator is not None:

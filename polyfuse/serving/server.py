@@ -94,10 +94,13 @@ def build(args, channel=None):
     blocks, max_len = size_cache(model, args)
     config = EngineConfig(max_len, blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                           args.enable_prefix_caching, args.bucket_size, args.seed,
-                          speculative_setting_of(args))  # fmt: skip
+                          speculative_setting_of(args), args.num_scheduler_steps)  # fmt: skip
     if channel is not None:
         config = channel.agree(config)
     broadcast = channel.send if channel is not None and channel.rank == 0 else None
+    if channel is not None and channel.rank == 0 and config.num_scheduler_steps > 1:
+        print(f"warning: --num_scheduler_steps {config.num_scheduler_steps}: tensor-parallel serving runs one "
+              "decode step per scheduling", file=sys.stderr)  # fmt: skip
     engine = Engine(model, tokenizer, config, broadcast=broadcast)
     engine.runner.warmup()
     if args.print_backends and (channel is None or channel.rank == 0):
@@ -180,6 +183,7 @@ def run(args) -> int:
     blocks = engine.blocks
     spec = engine.config.speculative
     extra = f"; prompt lookup k={spec.k}" if spec is not None else ""
+    extra += f"; {engine.multi_steps} scheduler steps" if engine.multi_steps > 1 else ""
     print(f"polyfuse serve: {name} on http://{host}:{port} (pid {os.getpid()}; {blocks.usable_blocks} KV blocks of "
           f"{blocks.block_size} tokens, max_model_len {engine.config.max_model_len}, max_num_seqs "
           f"{engine.config.max_num_seqs}{extra})", flush=True)  # fmt: skip
