@@ -7,6 +7,8 @@ batching, on the same random weights, in one run.
     python benchmarks/benchmark_serving.py --shape llama3-8b --bf16 --max_concurrency 1 --num_prompts 16 \
         --flags use_flash_attention,use_cuda_graphs --peers ""          # batch-1 time per output token
     python benchmarks/benchmark_serving.py --shape tiny --num_prompts 8 --request_rate 20  # CPU smoke
+    python benchmarks/benchmark_serving.py --shape llama3-8b --bf16 --max_concurrency 1 --num_prompts 8 \
+        --flags use_flash_attention,use_cuda_graphs --peers generate --num_scheduler_steps 8   # multi-step
 
 Requests arrive as a Poisson process at ``--request_rate`` per second (inf: all at once), at most
 ``--max_concurrency`` in flight. Prompt and output lengths are drawn from a ShareGPT-like distribution (log-normal,
@@ -202,7 +204,7 @@ def run_polyfuse(args, model, reqs: list) -> dict:
     sargs = serve_args(args, max_len)
     blocks, max_len = size_cache(model, sargs)
     cfg = EngineConfig(max_len, blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                       seed=args.seed)  # fmt: skip
+                       seed=args.seed, num_scheduler_steps=args.num_scheduler_steps)  # fmt: skip
     engine = Engine(model, BenchTokenizer(), cfg)
     engine.runner.warmup()
     fills = []
@@ -229,6 +231,7 @@ def run_polyfuse(args, model, reqs: list) -> dict:
     busiest = max(fills) if fills else (0, 1.0)
     extra = {"kv_blocks": blocks - 1, "kv_blocks_used_max": busiest[0], "kv_fill_at_busiest": round(busiest[1], 4),
              "preemptions": engine.scheduler.preemptions, "api": args.api,
+             "num_scheduler_steps": args.num_scheduler_steps,
              "clients": "own process" if args.api == "http" else "server process"}  # fmt: skip
     row = summarize("polyfuse", reqs, results, seconds, extra)
     engine.step = real_step  # the closure held the engine: let it go with the row
@@ -424,6 +427,12 @@ def parse_args(argv=None):
     a("--num_kv_blocks", type=int, default=0, help="polyfuse's KV blocks (0: from --gpu_memory_utilization)")
     a("--gpu_memory_utilization", type=float, default=0.85)
     a("--api", default="http", choices=["http", "engine"], help="drive polyfuse over HTTP or the engine directly")
+    a(
+        "--num_scheduler_steps",
+        type=int,
+        default=1,
+        help="polyfuse's multi-step decoding (polyfuse serve --num_scheduler_steps): decode steps per host sync",
+    )
     a(
         "--peers",
         default="transformers",

@@ -458,7 +458,8 @@ def serving_setting(r) -> tuple:
 def serving_rows(rows):
     """(polyfuse rows, peer rows), the last of each setting (and polyfuse's API, the peer's implementation)."""
     serve = [r for r in rows if r["what"] == "serving"]
-    ours = latest([r for r in serve if r["impl"] == "polyfuse"], lambda r: serving_setting(r) + (r.get("api"),))
+    ours = latest([r for r in serve if r["impl"] == "polyfuse"],
+                  lambda r: serving_setting(r) + (r.get("api"), r.get("num_scheduler_steps") or 1))  # fmt: skip
     peers = latest([r for r in serve if r["impl"] != "polyfuse"], lambda r: serving_setting(r) + (r["impl"],))
     return ours, peers
 
@@ -498,6 +499,8 @@ def serving_table(rows) -> list[str]:
         r = ours[k]
         rate = "all at once" if r.get("request_rate") is None else f"Poisson {r['request_rate']:g}/s"
         driven = CLIENTS.get(r.get("clients"), "HTTP") if r.get("api") == "http" else "the engine directly"
+        if (r.get("num_scheduler_steps") or 1) > 1:
+            driven += f", {r['num_scheduler_steps']} scheduler steps"
         dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(r["dtype"], r["dtype"])
         head = [f"{SHAPE_NAMES.get(r['shape'], r['shape'])}, {dtype}",
                 f"{r['max_concurrency'] or 'no limit'} ({r['num_prompts']} requests, {rate})", driven,

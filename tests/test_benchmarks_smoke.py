@@ -299,3 +299,23 @@ def test_benchmark_serving_tiny(tmp_path):
     table = "\n".join(make_table.serving_table(make_table.load_rows(str(folder))))
     assert table.count("| tiny, fp32 | 4 (6 requests, Poisson 50/s) | HTTP, clients in their own process |") == 2
     assert "transformers continuous batching (sdpa)" in table and "polyfuse generate(), batch 1" in table
+
+
+def test_benchmark_serving_multi_step(tmp_path):
+    """--num_scheduler_steps: the concurrency-1 comparison with generate() at batch 1, multi-step decoding on; the
+    row says so and make_table.py keeps it apart from the single-step rows."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    _run([
+        "benchmarks/benchmark_serving.py", "--shape", "tiny", "--num_prompts", "3", "--max_concurrency", "1",
+        "--input_len_median", "12", "--output_len_median", "9", "--max_input_len", "40", "--max_output_len", "16",
+        "--peers", "generate", "--num_scheduler_steps", "4", "--results", str(folder),
+    ])  # fmt: skip
+    rows = [json.loads(line) for line in (folder / "serving.jsonl").read_text().splitlines()]
+    assert [r["impl"] for r in rows] == ["polyfuse", "generate_batch1"]
+    assert rows[0]["num_scheduler_steps"] == 4 and rows[0]["completed"] == 3 and rows[0]["failed"] == 0
+    assert rows[0]["tpot_ms_p50"] > 0 and rows[1]["tpot_ms_p50"] > 0
+    from benchmarks import make_table
+
+    table = "\n".join(make_table.serving_table(make_table.load_rows(str(folder))))
+    assert "HTTP, clients in their own process, 4 scheduler steps |" in table

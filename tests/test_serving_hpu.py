@@ -92,3 +92,49 @@ def test_hpu_buckets_capture_per_bucket_not_per_request(lazy_double, flash):
         assert any(a[0].shape[2] == 1 for a, _ in sdpa)  # decode steps: one query per sequence
     else:
         assert sdpa == []
+
+
+def test_hpu_buckets_with_speculative_decoding(lazy_double):
+    """Prompt lookup's verify rows are prefill chunks of the bucketed step (chunk padded to a multiple of
+    --bucket_size, logits rows to a power of two): the CPU engine's tokens without speculation, graphs per bucket."""
+    from polyfuse.generation.speculative.settings import SpeculativeSetting
+
+    hf = lazy_double
+    cfg = tiny_config(num_key_value_heads=2)
+    wave = prompts(WAVES[0], 0)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    cpu = Engine(LlamaForCausalLM.from_config(cfg, seed=4).eval(), Tok(), config())
+    for i, p in enumerate(wave):
+        cpu.add_request(str(i), p, params)
+    want: dict = {}
+    while cpu.has_work():
+        for d in cpu.step():
+            want.setdefault(d.request_id, []).extend(d.token_ids)
+    model = _on_hpu_backend(LlamaForCausalLM.from_config(cfg, seed=4).eval(), {"use_hpu_graphs": True})
+    spec = config()
+    spec.speculative = SpeculativeSetting("prompt_lookup", 4, 2)
+    eng = Engine(model, Tok(), spec)
+    hf.reset()
+    shapes, real = set(), eng.runner.run
+
+    def run(batches):
+        for b in batches:
+            parts = [t for t in (*(b.prefill or ()), *(b.decode or ())) if t is not None]
+            shapes.add((b.prefill is None, b.width, b.input_ids.shape, b.logits_rows.shape, *(t.shape for t in parts)))
+            if b.prefill is not None:
+                n, q = b.prefill[2].shape
+                assert q % 8 == 0 and n & (n - 1) == 0 and b.input_ids.numel() == n * q
+            assert len(b.logits_rows) & (len(b.logits_rows) - 1) == 0
+        return real(batches)
+
+    eng.runner.run = run
+    for i, p in enumerate(wave):
+        eng.add_request(str(i), p, params)
+    got: dict = {}
+    while eng.has_work():
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.token_ids)
+    assert got == want
+    assert eng.spec.accepted > 0 and eng.blocks.num_used == 0
+    assert eng.spec.draft_steps > 4
+    assert len(hf.calls("hpu_graph_capture")) == len(shapes)  # one graph per bucket met, none per step

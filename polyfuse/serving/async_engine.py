@@ -154,7 +154,7 @@ class AsyncEngine:
 
     def _hand_out(self, deltas: list) -> None:
         now = time.monotonic()
-        self.recent.append((now, len(deltas)))
+        self.recent.append((now, sum(len(d.token_ids) for d in deltas)))  # a delta may carry several tokens
         while self.recent and now - self.recent[0][0] > 10.0:
             self.recent.popleft()
         for d in deltas:

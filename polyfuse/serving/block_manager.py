@@ -123,6 +123,18 @@ class BlockManager:
             table.append(block)
         return True
 
+    def shrink(self, seq_id, tokens: int) -> None:
+        """Drop the blocks of ``seq_id`` past its first ``tokens`` positions (speculative decoding's rollback: they
+        hold only rejected drafts). Nothing is copied; such a block is reused before any other free block."""
+        table = self.tables.get(seq_id, [])
+        keep = self.blocks_for(tokens)
+        while len(table) > keep:
+            block = table.pop()
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)
+
     def release(self, seq_id) -> None:
         """Give back every block of ``seq_id`` (shared ones when their last user is gone)."""
         self.hashes.pop(seq_id, None)

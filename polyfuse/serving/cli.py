@@ -113,6 +113,28 @@ def build_parser() -> argparse.ArgumentParser:  # size: the server's flags, one 
         help="waiting requests at most; beyond it a request is answered 429",
     )
     a("seed", group=g, type=int, default=0, help="seed of the sampling of requests without a seed of their own")
+    a(
+        "num_scheduler_steps",
+        group=g,
+        type=int,
+        default=1,
+        metavar="N",
+        help="multi-step decoding: a batch of decodes runs this many steps back to back on the device, one host "
+        "sync for them all, 1..64 (new requests wait at most that long; not with speculative decoding or tensor "
+        "parallelism)",
+    )
+
+    g = p.add_argument_group("speculative decoding (run_generation.py's names; docs/serving.md)")
+    a("speculative_method", group=g, default=None, choices=["prompt_lookup", "ngram"],
+      help="prompt_lookup (vLLM's name: ngram): draft each decoding sequence's next tokens from its prompt and "
+      "output so far, verify them in the batch's step (draft models and EAGLE-3 heads: generation only)")  # fmt: skip
+    a("prompt_lookup_num_tokens", group=g, type=int, default=None, metavar="K",
+      help="prompt lookup: tokens drafted per sequence and step, 1..32 (10 when only --speculative_method is "
+      "given); implies the method")  # fmt: skip
+    a("num_speculative_tokens", group=g, type=int, default=None, metavar="K",
+      help="the same k under its method-neutral name")  # fmt: skip
+    a("max_matching_ngram_size", group=g, type=int, default=None, metavar="N",
+      help="prompt lookup: the longest n-gram matched (2 when not given)")  # fmt: skip
 
     g = p.add_argument_group("server")
     a("host", group=g, default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -140,6 +162,28 @@ def build_parser() -> argparse.ArgumentParser:  # size: the server's flags, one 
     return p
 
 
+def speculative_setting_of(args):
+    """The run's SpeculativeSetting (prompt lookup's k and n-gram size), or None; bad values raise UsageError."""
+    from polyfuse.cli.generate import UsageError
+    from polyfuse.generation.options import GenerationOptions
+    from polyfuse.generation.speculative.settings import speculative_setting
+
+    method = "prompt_lookup" if args.speculative_method == "ngram" else args.speculative_method
+    given = args.num_speculative_tokens is not None or args.max_matching_ngram_size is not None
+    if method is None and args.prompt_lookup_num_tokens is None and given:
+        raise UsageError(
+            "--num_speculative_tokens / --max_matching_ngram_size need --speculative_method prompt_lookup"
+        )
+    try:
+        options = GenerationOptions(
+            prompt_lookup_num_tokens=args.prompt_lookup_num_tokens, max_matching_ngram_size=args.max_matching_ngram_size,
+            speculative_method=method, num_speculative_tokens=args.num_speculative_tokens,
+        )  # fmt: skip
+        return speculative_setting(options)
+    except ValueError as e:
+        raise UsageError("--" + str(e)) from None
+
+
 def validate(args) -> None:
     from polyfuse.cli.generate import UsageError
 
@@ -160,3 +204,7 @@ def validate(args) -> None:
         raise UsageError(f"--shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key == "":
         raise UsageError("--api_key is empty")
+    if not 1 <= args.num_scheduler_steps <= 64:
+        raise UsageError(f"--num_scheduler_steps must be in 1..64, got {args.num_scheduler_steps}")
+    if speculative_setting_of(args) is not None and args.num_scheduler_steps > 1:
+        raise UsageError("--num_scheduler_steps > 1 and speculative decoding: give one of them")

@@ -3,7 +3,8 @@
 Gauges are read from the engine when scraped (running / waiting requests, KV blocks in use and in all, the share of
 the used blocks' slots holding a token, tokens/s over the last 10 s); histograms and counters are observed as
 tokens are handed out (time to first token, time per output token after the first, end-to-end latency, tokens,
-finished requests by reason, preemptions, prefix-cache hits).
+finished requests by reason, preemptions, prefix-cache hits). With speculative decoding: drafted and accepted
+tokens, the acceptance rate and the tokens a decoding sequence gains per step.
 """
 
 from __future__ import annotations
@@ -49,8 +50,15 @@ class Metrics:
                               list(labels), buckets=PER_TOKEN, registry=r).labels(**labels)  # fmt: skip
         self.e2e = Histogram("polyfuse_e2e_request_latency_seconds", "Request latency", list(labels),
                              buckets=LATENCY, registry=r).labels(**labels)  # fmt: skip
+        self.spec_drafted = c("polyfuse_spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted")
+        self.spec_accepted = c("polyfuse_spec_decode_num_accepted_tokens", "Speculative decoding: drafts accepted")
+        self.spec_steps = c("polyfuse_spec_decode_num_decode_steps", "Speculative decoding: decode steps x sequences")
+        self.spec_rate = g("polyfuse_spec_decode_draft_acceptance_rate", "Accepted over drafted tokens")
+        self.spec_tokens = g("polyfuse_spec_decode_mean_accepted_tokens_per_step",
+                             "Tokens a decoding sequence gains per step: accepted drafts + the model's own (1: none)")  # fmt: skip
         self.model_name = model_name
-        self._seen = {"prompt": 0, "generation": 0, "preemptions": 0, "hits": 0, "queries": 0}
+        self._seen = {"prompt": 0, "generation": 0, "preemptions": 0, "hits": 0, "queries": 0, "drafted": 0,
+                      "accepted": 0, "decode_steps": 0}  # fmt: skip
 
     # observed by the engine thread as tokens are handed out
     def first_token(self, seconds: float) -> None:
@@ -85,4 +93,11 @@ class Metrics:
         self._count(self.preemptions, "preemptions", eng.scheduler.preemptions)
         self._count(self.hit_tokens, "hits", eng.blocks.hit_tokens)
         self._count(self.query_tokens, "queries", eng.blocks.queried_tokens)
+        if eng.spec is not None:
+            spec = eng.spec
+            self._count(self.spec_drafted, "drafted", spec.drafted)
+            self._count(self.spec_accepted, "accepted", spec.accepted)
+            self._count(self.spec_steps, "decode_steps", spec.decode_steps)
+            self.spec_rate.set(spec.acceptance_rate)
+            self.spec_tokens.set(spec.tokens_per_step)
         return generate_latest(self.registry)

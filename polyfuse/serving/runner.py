@@ -14,12 +14,13 @@ and every rank runs it). Rows are prefill chunks first, then one row per decode.
   then captured once per bucket, never per request.
 
 Padded rows write their keys and values into the padding block 0 and attend to it alone; their logits are dropped.
+A speculative sequence's verify rows (its last token and its drafts) are a prefill chunk whose every row gives logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ class Item:
     start: int  # position of the first
     table: list  # the sequence's block table
     samples: bool  # whether its last row gives logits
+    verify: bool = False  # speculative decoding: every row gives logits (the drafts' and the one after them)
 
 
 @dataclass
@@ -143,7 +145,8 @@ class ModelRunner:
             pos.extend([0] * (rows_taken - n))
             slots.extend([0] * (rows_taken - n))
             if item is not None and item.samples:
-                rows.append(len(ids) - rows_taken + n - 1)
+                last = len(ids) - rows_taken + n - 1
+                rows.extend(range(last - n + 1, last + 1) if item.verify else (last,))
 
         p_part = d_part = None
         width = 0
@@ -183,12 +186,39 @@ class ModelRunner:
         else:
             keep, logits_rows = list(range(len(rows))), torch.tensor(rows, dtype=torch.long)
             if grid:  # a static number of logits rows too
-                n_logits = pow2(len(prefills) if prefills else len(decodes))
+                n_logits = pow2(max(len(rows), len(prefills) if prefills else len(decodes)))
                 logits_rows = torch.cat([logits_rows, logits_rows.new_zeros(n_logits - len(rows))])
         return StepBatch(
             torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
             torch.tensor(slots, dtype=torch.long), p_part, d_part, logits_rows, keep, width,
         )  # fmt: skip
+
+    def chain_batches(self, items: list, limits: list) -> list:
+        """Multi-step decoding: the batches of ``max(limits)`` decode steps of ``items`` back to back, step i at
+        position ``start + i`` of item j while ``i < limits[j]``; past it the row repeats its last position and
+        writes the padding block (its logits are not used). Input ids past the first step come from the device."""
+        out = []
+        for i in range(max(limits)):
+            step = [Item(it.tokens, it.start + min(i, r - 1), it.table, True) for it, r in zip(items, limits)]
+            b = self._batch([], step)
+            spent = [j for j, r in enumerate(limits) if i >= r]  # decode rows are the batch's first rows
+            if spent:
+                b.slots[spent] = 0
+            out.append(b)
+        return out
+
+    @torch.inference_mode()
+    def run_chain(self, batches: list, choose: Callable) -> list:
+        """Run decode batches back to back, each step's input ids the tokens ``choose(logits)`` picked in the step
+        before, on the device: no host sync between the steps. Returns each step's tokens (device tensors)."""
+        out: list = []
+        for b in batches:
+            if out:
+                prev, rows = out[-1], b.input_ids.shape[0]
+                ids = prev if prev.shape[0] == rows else torch.cat([prev, prev.new_zeros(rows - prev.shape[0])])
+                b = replace(b, input_ids=ids)
+            out.append(choose(self.run([b])))
+        return out
 
     def warmup(self) -> None:
         """With CUDA graphs: capture the decode step of every batch-size bucket now (all padding: only the padding
@@ -201,7 +231,8 @@ class ModelRunner:
     # -- running ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batches: list) -> torch.Tensor:
-        """The logits [sampling sequences, vocab] of the step's batches, in order."""
+        """The logits [rows, vocab] of the step's batches, in order: one row per sampling sequence, and one per
+        verified position of a speculative one."""
         out = []
         for b in batches:
             logits = self._call(b)

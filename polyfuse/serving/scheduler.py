@@ -12,12 +12,17 @@ Every step (vLLM's scheduler design, our code):
    (beyond a small watermark) allow, each taking the cached blocks of its prompt's prefix first. A choice of an
    ``n > 1`` request waits while a sibling is still prefilling, so it finds the shared prompt in the prefix cache.
    Nothing is admitted in a step that had to preempt.
+
+With speculative decoding (speculation.py) a decoding sequence's step also carries the tokens its proposer drafts:
+they take budget and blocks like prefill tokens, and are dropped (a plain decode) when either is short. After the
+step, :meth:`Scheduler.rollback` keeps what was accepted and gives back the blocks only rejected drafts filled.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from polyfuse.serving.block_manager import BlockManager
 from polyfuse.serving.request import Sequence, Status
@@ -27,17 +32,22 @@ from polyfuse.serving.request import Sequence, Status
 class Scheduled:
     seq: Sequence
     start: int  # first position computed this step
-    count: int  # tokens computed this step
+    count: int  # tokens computed this step, drafts included
+    drafts: list = field(default_factory=list)  # speculative decoding: drafted tokens after the sequence's last
 
     @property
     def samples(self) -> bool:
         """Whether this step gives the sequence a new token (its last prompt or output token is computed)."""
-        return self.start + self.count == self.seq.num_tokens
+        return self.start + self.count - len(self.drafts) == self.seq.num_tokens
+
+    def tokens(self) -> list:
+        """The ids this step computes: the sequence's own, then its drafts."""
+        return self.seq.token_slice(self.start, self.count - len(self.drafts)) + self.drafts
 
 
 @dataclass
 class StepPlan:
-    prefills: list = field(default_factory=list)  # [Scheduled] with count > 1
+    prefills: list = field(default_factory=list)  # [Scheduled] with count > 1 (prefill chunks, verified drafts)
     decodes: list = field(default_factory=list)  # [Scheduled] with count == 1
     preempted: list = field(default_factory=list)
 
@@ -51,8 +61,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, watermark: float = 0.01):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, watermark: float = 0.01,
+                 propose: Optional[Callable] = None):  # fmt: skip
         self.blocks = blocks
+        self.propose = propose  # (sequence, token budget) -> drafts to verify after its next token
         self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.watermark = max(1, int(watermark * blocks.usable_blocks)) if blocks.usable_blocks > 8 else 0
         self.waiting: deque = deque()
@@ -88,6 +100,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             count = min(seq.num_tokens - seq.computed, budget)
+            drafts = self._drafts(seq, count, budget)
+            if drafts:
+                count += len(drafts)
+                plan.prefills.append(Scheduled(seq, seq.computed, count, drafts))
+                budget -= count
+                i += 1
+                continue
             while not self.blocks.grow(seq.seq_id, seq.computed + count):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -102,6 +121,20 @@ class Scheduler:
         if not plan.preempted:
             self._admit(plan, budget)
         return plan
+
+    def _drafts(self, seq: Sequence, count: int, budget: int) -> list:
+        """A decoding sequence's drafts, if the budget and the free blocks (beyond the watermark) take them."""
+        if self.propose is None or count != 1 or seq.num_tokens - seq.computed != 1 or seq.computed < len(seq.prompt):
+            return []  # a decode's only: not the prompt's last token
+        drafts = self.propose(seq, budget - 1)
+        if not drafts:
+            return []
+        table = self.blocks.table(seq.seq_id)
+        new = self.blocks.blocks_for(seq.computed + 1 + len(drafts)) - len(table)
+        if new > 0 and not self.blocks.can_take(new, (), self.watermark):
+            return []  # no room: a plain decode, which may still preempt to get its block
+        self.blocks.grow(seq.seq_id, seq.computed + 1 + len(drafts))
+        return drafts
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         deferred = []
@@ -133,3 +166,9 @@ class Scheduler:
         for s in plan.prefills + plan.decodes:
             s.seq.computed = s.start + s.count
             self.blocks.register_prompt_blocks(s.seq.seq_id, s.seq.prompt, s.seq.computed)
+
+    def rollback(self, seq: Sequence, computed: int) -> None:
+        """Speculative decoding: only ``computed`` positions of ``seq`` hold accepted tokens. The keys and values
+        past them stay where they are, to be overwritten; blocks holding none of the accepted ones are freed."""
+        seq.computed = computed
+        self.blocks.shrink(seq.seq_id, computed)

@@ -18,7 +18,7 @@ from polyfuse.cli.generate import UsageError, load, pick_device, set_log_level
 from polyfuse.core import settings
 from polyfuse.core.errors import CheckpointError, one_line
 from polyfuse.distributed.launch import distributed_entry
-from polyfuse.serving.cli import build_parser, validate
+from polyfuse.serving.cli import build_parser, speculative_setting_of, validate
 from polyfuse.serving.engine import Engine, EngineConfig
 from polyfuse.serving.kv_cache import bytes_per_block
 
@@ -93,14 +93,21 @@ def build(args, channel=None):
             channel = StepChannel()
     blocks, max_len = size_cache(model, args)
     config = EngineConfig(max_len, blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                          args.enable_prefix_caching, args.bucket_size, args.seed)  # fmt: skip
+                          args.enable_prefix_caching, args.bucket_size, args.seed,
+                          speculative_setting_of(args), args.num_scheduler_steps)  # fmt: skip
     if channel is not None:
         config = channel.agree(config)
     broadcast = channel.send if channel is not None and channel.rank == 0 else None
+    if channel is not None and channel.rank == 0 and config.num_scheduler_steps > 1:
+        print(f"warning: --num_scheduler_steps {config.num_scheduler_steps}: tensor-parallel serving runs one "
+              "decode step per scheduling", file=sys.stderr)  # fmt: skip
     engine = Engine(model, tokenizer, config, broadcast=broadcast)
     engine.runner.warmup()
     if args.print_backends and (channel is None or channel.rank == 0):
         print(model.kernels.report())
+        if config.speculative is not None:
+            spec = config.speculative
+            print(f"speculative decoding: prompt_lookup (n-gram matching, n <= {spec.ngram}), k={spec.k}")
     name = args.served_model_name or args.model_name_or_path
     if name is None:
         from polyfuse.models.builtin import BUILTIN_NAME
@@ -174,9 +181,12 @@ def run(args) -> int:
     server, sock, _ = make_server(engine, name, args, on_stop)
     host, port = sock.getsockname()[:2]
     blocks = engine.blocks
+    spec = engine.config.speculative
+    extra = f"; prompt lookup k={spec.k}" if spec is not None else ""
+    extra += f"; {engine.multi_steps} scheduler steps" if engine.multi_steps > 1 else ""
     print(f"polyfuse serve: {name} on http://{host}:{port} (pid {os.getpid()}; {blocks.usable_blocks} KV blocks of "
           f"{blocks.block_size} tokens, max_model_len {engine.config.max_model_len}, max_num_seqs "
-          f"{engine.config.max_num_seqs})", flush=True)  # fmt: skip
+          f"{engine.config.max_num_seqs}{extra})", flush=True)  # fmt: skip
     server.run(sockets=[sock])
     return 0
 
