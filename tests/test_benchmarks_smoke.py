@@ -301,6 +301,7 @@ def test_benchmark_serving_tiny(tmp_path):
     assert "transformers continuous batching (sdpa)" in table and "polyfuse generate(), batch 1" in table
 
 
+@pytest.mark.slow
 def test_benchmark_serving_multi_step(tmp_path):
     """--num_scheduler_steps: the concurrency-1 comparison with generate() at batch 1, multi-step decoding on; the
     row says so and make_table.py keeps it apart from the single-step rows."""

@@ -336,6 +336,7 @@ def ask(client, name, req: dict) -> dict:
             "logprobs": lps}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_builtin_model_answers_as_without_speculation(servers):
     import httpx
     import openai
