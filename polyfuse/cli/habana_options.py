@@ -59,8 +59,14 @@ HABANA_FLAGS = {
     "--profile_whole_sequences": ("warned", "no Habana profiler is run"),
     "--attn_batch_split": ("warned", "attention runs unsplit"),
     "--decode_attn_batch_split": ("warned", "attention runs unsplit"),
-    "--regional_compile": ("warned", "--torch_compile compiles the ops that run their native reference"),
-    "--force_static_compile": ("warned", "--torch_compile compiles the ops that run their native reference"),
+    "--regional_compile": (
+        "implemented",
+        "with --torch_compile: each decoder layer compiled, not the whole decoder (CUDA: the ops, with a warning)",
+    ),
+    "--force_static_compile": (
+        "implemented",
+        "with --torch_compile: dynamic=False, a graph per shape (Gaudi: and hpu_backend's force_static_compile)",
+    ),
     "--attn_implementation": ("warned", "eager unless --use_flash_attention (its default, eager, changes nothing)"),
     "--trust_remote_code_tokenizer": ("warned", "the tokenizer is read without code from the checkpoint"),
     "--load_quantized_model_with_autogptq": ("warned", "polyfuse loads GPTQ checkpoints itself"),
@@ -176,6 +182,9 @@ def apply_habana_options(args) -> list[str]:
         raise ValueError(f"--simulate_dyn_prompt: prompt lengths must be >= 1, got {args.simulate_dyn_prompt}")
     warnings = [f"{flag}: changes nothing here ({note})" for flag, (status, note) in HABANA_FLAGS.items()
                 if status == "warned" and _given(args, flag)]  # fmt: skip
+    for flag in ("--regional_compile", "--force_static_compile"):
+        if _given(args, flag) and not getattr(args, "torch_compile", False):
+            warnings.append(f"{flag} without --torch_compile: changes nothing (as in optimum-habana)")
     import torch
 
     if args.sdp_on_bf16:
