@@ -3,7 +3,15 @@
 
 from __future__ import annotations
 
+import torch
+
 from polyfuse.cli.progress import token_bar
+
+
+def input_device(args, device):
+    """Where a tokenized batch goes before generate(): the host with --reduce_recompile (generate() prepares it
+    there, so only whole-bucket shapes reach the device: optimum-habana's "preprocess on cpu"), else the device."""
+    return torch.device("cpu") if getattr(args, "reduce_recompile", False) else device
 
 
 def generate_batch(args, model, tokenizer, ids, mask, generator, bars: bool = False):

@@ -9,8 +9,9 @@ prompt is tokenized alone, padded and truncated to --max_input_tokens tokens whe
 default), whole when < 0 (its first tokens kept, as optimum-habana's tokenizer truncates), then the rows run in
 batches of --batch_size (the last one holds the rest).
 
-The first --warmup batches run untimed first (optimum-habana: the first 3, its --warmup's default), then every batch
-once, each printed as a "Batch n°" block; --run_partial_dataset stops after --n_iterations batches. The Stats give
+The first --warmup batches run untimed first (optimum-habana: the first 3, its --warmup's default; on Gaudi with
+--bucket_size and prompts of varied lengths, every prompt bucket: ``warmup_batches``), then every batch once, each
+printed as a "Batch n°" block; --run_partial_dataset stops after --n_iterations batches. The Stats give
 "Throughput (including tokenization)" (new tokens over the batches' own time, tokenization included here, as the
 name says), "Total runtime for dataset" (the timed pass, printing included) and the graph compilation (warm-up) time.
 """
@@ -21,7 +22,7 @@ import os
 import sys
 import time
 
-from polyfuse.cli.batch_run import generate_batch
+from polyfuse.cli.batch_run import generate_batch, input_device
 from polyfuse.cli.errors import UsageError
 
 
@@ -135,21 +136,42 @@ def encode_rows(args, tokenizer, texts: list, device):
     return enc.input_ids.to(device), enc.attention_mask.to(device)
 
 
+def warmup_batches(args, tokenizer, batches: list, static: bool) -> list:
+    """The indices of the batches the warm-up runs: the first --warmup (optimum-habana's); on a static-shape device
+    with --bucket_size > 0 and prompts of varied lengths (--max_input_tokens < 0), --warmup passes over one batch of
+    every prompt bucket, the longest first (the KV cache is allocated at its largest once; cli/dyn_prompt.py)."""
+    first = list(range(min(args.warmup, len(batches))))
+    if not (static and args.bucket_size > 0 and args.max_input_tokens < 0):
+        return first
+    buckets = {}
+    for i, texts in enumerate(batches):
+        width = max(len(ids) for ids in tokenizer(texts).input_ids)
+        buckets.setdefault(-(-width // args.bucket_size), i)
+    order = [buckets[b] for b in sorted(buckets, reverse=True)]
+    return [i for _ in range(args.warmup) for i in order]
+
+
 def run_dataset(args, model, tokenizer, data: dict, device, bars: bool = False) -> dict:
-    """Warm-up batches, then the timed pass over the data set (printed per batch); the numbers and texts."""
+    """Warm-up batches, then the timed pass over the data set (printed per batch); the numbers and texts. On a
+    static-shape device (Gaudi) a last, smaller batch is filled up with copies of its last prompt (one batch shape:
+    no graph of its own), whose outputs are dropped."""
     prompts, bs, runtime = data["prompts"], args.batch_size, model.runtime
     batches = [prompts[s : s + bs] for s in range(0, len(prompts), bs)]
+    static = getattr(runtime, "static_shapes", False)
     gen = runtime.sampling_generator(args.seed)
 
     def one(texts):
-        ids, mask = encode_rows(args, tokenizer, texts, device)
+        rows = list(texts) + [texts[-1]] * (bs - len(texts) if static else 0)
+        ids, mask = encode_rows(args, tokenizer, rows, input_device(args, device))
         out, timings, _ = generate_batch(args, model, tokenizer, ids, mask, gen, bars)
-        return ids.cpu(), out.cpu(), timings
+        keep = len(texts) * (out.shape[0] // len(rows))  # --num_return_sequences: rows r * n + j
+        return ids[: len(texts)].cpu(), out[:keep].cpu(), timings
 
     t0 = time.perf_counter()
-    for i, texts in enumerate(batches[: args.warmup]):
-        print(f"Warming up batch {i + 1}/{min(args.warmup, len(batches))}", flush=True)
-        one(texts)
+    plan = warmup_batches(args, tokenizer, batches, static)
+    for n, i in enumerate(plan):
+        print(f"Warming up batch {n + 1}/{len(plan)}", flush=True)
+        one(batches[i])
     runtime.synchronize()
     compile_s = time.perf_counter() - t0
     runtime.reset_peak_memory()

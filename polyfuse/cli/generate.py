@@ -20,7 +20,7 @@ import torch
 
 from polyfuse.cli import results as output
 from polyfuse.cli.args import FLAG_NAMES, DefaultSteps, build_parser
-from polyfuse.cli.batch_run import generate_batch
+from polyfuse.cli.batch_run import generate_batch, input_device
 from polyfuse.cli.errors import Interrupted, UsageError
 from polyfuse.cli.inputs import (
     DEFAULT_PROMPT,
@@ -547,7 +547,7 @@ class Runs:
         args, outs, times = self.args, [], []
         for rows in self.groups:
             t0 = time.perf_counter()
-            ids, mask = encode(args, self.tokenizer, [self.texts[i] for i in rows], self.device)
+            ids, mask = encode(args, self.tokenizer, [self.texts[i] for i in rows], input_device(args, self.device))
             if size is not None:
                 ids, mask = adjust_batch(ids, mask, size)
             out, timings, speculative = generate_batch(args, self.model, self.tokenizer, ids, mask, self.gen,
@@ -635,6 +635,16 @@ def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
     }
 
 
+def check_bucket_flags(args) -> None:
+    """optimum-habana's asserts on --bucket_internal and --reduce_recompile, as one error line each."""
+    if args.bucket_internal and (args.bucket_size < 0 or not args.use_kv_cache):
+        raise UsageError(f"--bucket_internal buckets the KV cache: it needs --use_kv_cache and --bucket_size >= 0 "
+                         f"(got {args.bucket_size}{'' if args.use_kv_cache else ', no --use_kv_cache'})")  # fmt: skip
+    if args.reduce_recompile and args.bucket_size <= 0:
+        raise UsageError(f"--reduce_recompile needs --bucket_size > 0, got {args.bucket_size} (as optimum-habana "
+                         "asserts)")  # fmt: skip
+
+
 def prepare_output_dir(args) -> None:
     """Check --output_dir before the model loads (creating it if missing), so a bad one never costs the run."""
     args._created_output_dir = output.prepare_output_dir(args.output_dir)
@@ -664,6 +674,7 @@ def run(args) -> dict:
         args.flash_attention_fast_softmax = bool(args.use_flash_attention and device.type == "hpu")
     if args.bucket_size is None:
         args.bucket_size = default_bucket_size(device.type, args.max_new_tokens)
+    check_bucket_flags(args)
     prepare_output_dir(args)
     flags = {name: getattr(args, name) for name in FLAG_NAMES} | kernel_flags(args)
     flags, warnings = check_flags(device.type, flags)

@@ -48,8 +48,15 @@ HABANA_FLAGS = {
     "--dynamo_allow_unspec_int_on_nn_module": ("implemented", "torch._dynamo.config.allow_unspec_int_on_nn_module"),
     "--pt2e_quant_dtype": ("implemented", "used only with --pt2e_path (refused)"),
     "--saved_model_path": ("implemented", "used only with --save_quantized_model_with_inc (refused)"),
-    "--bucket_internal": ("warned", "--bucket_size always attends KV buckets of one preallocated cache"),
-    "--reduce_recompile": ("warned", "inputs are prepared on the device with static shapes already"),
+    "--bucket_internal": (
+        "implemented",
+        "polyfuse always buckets internally: one preallocated KV cache, each "
+        "decode step attends its bucket; needs --use_kv_cache and --bucket_size >= 0",
+    ),
+    "--reduce_recompile": (
+        "implemented",
+        "prompts prepared on the host, only whole-bucket shapes reach the device; needs --bucket_size > 0",
+    ),
     "--clear_hpu_graphs_cache": ("warned", "graphs are dropped when the KV cache is reallocated"),
     "--show_graphs_count": ("warned", "no graph dump count is kept"),
     "--verbose_workers": ("warned", "ranks other than 0 stay silent"),
