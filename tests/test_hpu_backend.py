@@ -757,8 +757,9 @@ def test_torch_compile_refused_in_lazy_mode(hf, lazy):
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_set_kernels_torch_compile_on_hpu(monkeypatch, mode):
-    """loading.set_kernels compiles the ops with the runtime's backend: hpu_backend in eager mode, one error line
-    naming PT_HPU_LAZY_MODE=0 in lazy mode (the CLI prints it as its one error: line)."""
+    """loading.set_kernels compiles with the runtime's backend: the whole decoder with hpu_backend in eager mode (as
+    optimum-habana; tests/test_hpu_compile.py runs it), one error line naming PT_HPU_LAZY_MODE=0 in lazy mode (the
+    CLI prints it as its one error: line)."""
     import transformers
 
     from polyfuse.core.registry import Kernels
@@ -773,7 +774,9 @@ def test_set_kernels_torch_compile_on_hpu(monkeypatch, mode):
     model = LlamaForCausalLM.from_config(cfg)
     backends = []
     monkeypatch.setattr(loading, "get_runtime", lambda device: HpuRuntime(HPU))
-    monkeypatch.setattr(Kernels, "compiled", lambda self, backend="inductor": backends.append(backend) or self)
+    monkeypatch.setattr(Kernels, "compiled", lambda self, backend="inductor", dynamic=None: backends.append(backend)
+                        or self)  # fmt: skip
+    monkeypatch.setattr(torch, "compile", lambda fn, backend=None, **kw: backends.append(("decoder", backend)) or fn)
     try:
         if mode == "lazy":
             with pytest.raises(ValueError, match="PT_HPU_LAZY_MODE=0"):
@@ -781,7 +784,7 @@ def test_set_kernels_torch_compile_on_hpu(monkeypatch, mode):
             assert backends == []
         else:
             loading.set_kernels(model, {"torch_compile": True})
-            assert backends == ["hpu_backend"]
+            assert backends == [("decoder", "hpu_backend")]  # one compile: the decoder, not the ops one by one
     finally:
         _forget_habana()
 

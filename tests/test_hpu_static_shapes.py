@@ -129,3 +129,40 @@ def test_device_refuses_what_a_gaudi_refuses(device):
     with pytest.raises(RuntimeError, match="HPU tensors only"):
         torch.ops.hpu.cast_to_fp8_v2(torch.ones(2, 2), None, False, False, torch.float8_e4m3fn)
     assert (x + torch.tensor(1.0)).device.type == "hpu"  # a 0-dim host tensor is a scalar, as in torch
+
+
+def _host_prompts(lengths, seed=0):
+    """Left-padded to the longest (what the tokenizer gives without --max_input_tokens), on the host."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        ids[r, width - n :] = torch.randint(10, 300, (n,), generator=g)
+        mask[r, width - n :] = 1
+    return ids, mask
+
+
+def test_prompt_buckets_compile_nothing_after_their_warm_up(device):
+    """--bucket_size 8 on Gaudi: prompts are left-padded to whole buckets, so a warm-up at each bucket (the longest
+    first, as the CLI's --simulate_dyn_prompt warm-up runs them; twice, as --warmup 2 or more: the first run also
+    allocates the KV cache) compiles every graph; then prompts of other lengths (widths 5, 12, 16, 9: no two alike)
+    run 100 decode steps with no compilation, prepared on the host and returned there (--reduce_recompile), and give
+    the CPU's greedy tokens of the unpadded prompts."""
+    cfg = tiny_config(num_key_value_heads=2, max_position_embeddings=256)
+    cpu = LlamaForCausalLM.from_config(cfg, seed=1).eval()
+    model = _model()
+    kw = dict(max_new_tokens=26, ignore_eos=True, bucket_size=8)
+    for _ in range(2):  # the warm-up, one prompt per bucket (16 and 8), longest first; twice: the first allocates
+        for width in (15, 7):
+            model.generate(*_host_prompts([width, 2], seed=width), **kw).cpu()
+    warm = _compilations()
+    for lengths in ([5, 3], [12, 1], [16, 9], [9, 4]):
+        ids, mask = _host_prompts(lengths, seed=sum(lengths))
+        out = model.generate(ids, mask, **kw).cpu()
+        assert out.shape == (2, ids.shape[1] + 26)  # the bucket's padding is not returned
+        assert torch.equal(out, cpu.generate(ids, mask, **kw))
+    assert _compilations() == warm, "recompiled after the bucket warm-up"
+    ids, mask = _host_prompts([11, 2], seed=5)
+    model.generate(ids.to("hpu"), mask.to("hpu"), **kw).cpu()  # prepared on the device: its width 11 is new there
+    assert _compilations() > warm, "the host preparation made no difference: the test would pass without it"

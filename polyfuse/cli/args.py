@@ -193,7 +193,11 @@ def _device_options(p) -> None:
       help="fused attention (Gaudi FusedSDPA; NVIDIA: Triton decode + SDPA flash prefill); else eager")  # fmt: skip
     a("--use_cuda_graphs", action="store_true", help="NVIDIA: replay the decode step as a CUDA graph")
     a("--cuda_graph_prefill", action="store_true", help="NVIDIA, with --use_cuda_graphs: graph the prompt step too")
-    a("--torch_compile", action="store_true", help="torch.compile the ops that run their native reference")
+    a(
+        "--torch_compile",
+        action="store_true",
+        help="Gaudi: torch.compile the whole decoder (hpu_backend); elsewhere the ops that run their native reference",
+    )
     a("--bucket_size", type=int, default=None, metavar="N",
       help=">0: decode steps attend the KV cache rounded up to this; -1: the whole cache "
       "(default: -1 on hpu, else 128, wider past 4096 new tokens)")  # fmt: skip
@@ -284,6 +288,8 @@ FLAG_NAMES = (
     "use_cuda_graphs",
     "cuda_graph_prefill",
     "torch_compile",
+    "regional_compile",  # optimum-habana's, polyfuse/cli/habana_options.py
+    "force_static_compile",
     "bucket_size",
     "reuse_cache",
     "trim_logits",

@@ -20,6 +20,7 @@ import torch
 
 from polyfuse.cli import results as output
 from polyfuse.cli.args import FLAG_NAMES, DefaultSteps, build_parser
+from polyfuse.cli.batch_run import generate_batch, input_device
 from polyfuse.cli.errors import Interrupted, UsageError
 from polyfuse.cli.inputs import (
     DEFAULT_PROMPT,
@@ -31,7 +32,7 @@ from polyfuse.cli.inputs import (
     row_groups,
 )
 from polyfuse.cli.kernel_options import kernel_flags
-from polyfuse.cli.progress import counter, token_bar
+from polyfuse.cli.progress import counter
 from polyfuse.cli.stats import compile_note, print_report, summarize
 from polyfuse.core import settings
 from polyfuse.distributed.context import world_size_from_env
@@ -188,6 +189,19 @@ def resolve_checkpoint(args) -> tuple[str, str | None]:
     return path, gguf
 
 
+def resolvable(args, path: str) -> bool:
+    """Whether PATH would load as --model_name_or_path: a local path, or a Hub id in the cache (or downloadable)."""
+    if os.path.exists(path):
+        return True
+    if not HUB_ID.match(path):
+        return False
+    try:
+        hub_snapshot(path, args.token, weights=False)
+    except UsageError:
+        return False
+    return True
+
+
 def checkpoint_bytes(path: str, gguf: str | None) -> int:
     if gguf is not None:
         file = gguf if os.path.isabs(gguf) else os.path.join(path, gguf)
@@ -286,7 +300,8 @@ def load(args, device, flags):
         refuse_quantized_checkpoint(path, gguf)
         tokenizer = load_cli_tokenizer(args, path, gguf)
         windows = calibration_windows(calibration, tokenizer)
-    quant = "none" if calibration else getattr(args, "quant", None)  # GPTQ starts from the float model
+    # GPTQ starts from the float model; a PEFT adapter merges into float weights (a GGUF's are dequantized)
+    quant = "none" if calibration or args.peft_model else getattr(args, "quant", None)
     steps = tune_steps(args) if calibration else None
     tune = steps is not None  # the head is packed after it
     what = tuple(getattr(args, f, None) is not None for f in ("quant_tune_norms", "quant_tune_scales"))
@@ -296,6 +311,10 @@ def load(args, device, flags):
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
             quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False) and not tune), **progress,
         )  # fmt: skip
+    if args.peft_model:
+        from polyfuse.cli.peft_adapter import merge_adapter
+
+        model = merge_adapter(model, args.peft_model)
     if calibration:
         warn_few_calibration_tokens(model, windows, calibration)
         targets = float_targets(model, windows, tune_flag(*what)) if tune else None  # before the float weights go
@@ -520,27 +539,20 @@ class Runs:
         self.first_logits = FirstLogits(model)
         self.bars = bars_on(args)
 
-    def one(self) -> list[dict]:
-        from polyfuse.cli.generation_options import cli_generation_kwargs  # --num_beams, --stream, ... (args.py)
-        from polyfuse.generation.hooks import PhaseTimer  # the Stats block's phase times
+    def one(self, size=None) -> list[dict]:
+        """One run over every batch; ``size`` (--simulate_dyn_prompt): each batch's prompt columns cut or stretched
+        to that many first (cli/dyn_prompt.py)."""
+        from polyfuse.cli.dyn_prompt import adjust_batch
 
         args, outs, times = self.args, [], []
         for rows in self.groups:
             t0 = time.perf_counter()
-            ids, mask = encode(args, self.tokenizer, [self.texts[i] for i in rows], self.device)
-            kw = cli_generation_kwargs(args, self.tokenizer)
-            if kw["streamer"] is None and kw["num_beams"] == 1:
-                kw["streamer"] = token_bar(self.bars, args.max_new_tokens)
-            timer = PhaseTimer(self.model.runtime)
-            out = self.model.generate(
-                ids, mask, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                generator=self.gen, ignore_eos=args.ignore_eos, bucket_size=args.bucket_size,
-                use_cache=args.use_kv_cache, hooks=timer, **kw,
-            )  # fmt: skip
-            timings = timer.timings
-            self.speculative = timer.speculative or self.speculative
+            ids, mask = encode(args, self.tokenizer, [self.texts[i] for i in rows], input_device(args, self.device))
+            if size is not None:
+                ids, mask = adjust_batch(ids, mask, size)
+            out, timings, speculative = generate_batch(args, self.model, self.tokenizer, ids, mask, self.gen,
+                                                       self.bars)  # fmt: skip
+            self.speculative = speculative or self.speculative
             self.first_logits.check(self.model.dtype)
             outs.append((rows, ids, out))
             times.append(dict(first_s=timings["first_token_s"], rest_s=timings["rest_s"], rows=out.shape[0],
@@ -549,17 +561,21 @@ class Runs:
         return times
 
     def go(self) -> None:
-        args, runtime = self.args, self.model.runtime
+        from polyfuse.cli.dyn_prompt import timed_lengths, warmup_plan  # --simulate_dyn_prompt
+
+        args, runtime, lengths = self.args, self.model.runtime, self.args.simulate_dyn_prompt
         try:
             t0, graphs = time.perf_counter(), _dynamo_graphs()
-            for i in range(args.warmup):
-                print(f"Warming up iteration {i + 1}/{args.warmup}", flush=True)
-                self.one()
+            for line, size in warmup_plan(lengths, args.warmup, args.bucket_size):
+                print(line, flush=True)
+                self.one(size)
             runtime.synchronize()
             self.warmup_s, self.graphs = time.perf_counter() - t0, _dynamo_graphs() - graphs
             runtime.reset_peak_memory()
-            for i in range(args.n_iterations):
-                self.timed.append(self.one())
+            for i, size in enumerate(timed_lengths(lengths, args.n_iterations)):
+                if size is not None:
+                    print(f"Generating for shape, {size}", flush=True)
+                self.timed.append(self.one(size))
                 print(iteration_line(i + 1, args.n_iterations, self.timed[-1]), flush=True)
         except KeyboardInterrupt:
             self.interrupted = True
@@ -619,6 +635,16 @@ def collect(args, runs: Runs, used: list[str], device, flags: dict) -> dict:
     }
 
 
+def check_bucket_flags(args) -> None:
+    """optimum-habana's asserts on --bucket_internal and --reduce_recompile, as one error line each."""
+    if args.bucket_internal and (args.bucket_size < 0 or not args.use_kv_cache):
+        raise UsageError(f"--bucket_internal buckets the KV cache: it needs --use_kv_cache and --bucket_size >= 0 "
+                         f"(got {args.bucket_size}{'' if args.use_kv_cache else ', no --use_kv_cache'})")  # fmt: skip
+    if args.reduce_recompile and args.bucket_size <= 0:
+        raise UsageError(f"--reduce_recompile needs --bucket_size > 0, got {args.bucket_size} (as optimum-habana "
+                         "asserts)")  # fmt: skip
+
+
 def prepare_output_dir(args) -> None:
     """Check --output_dir before the model loads (creating it if missing), so a bad one never costs the run."""
     args._created_output_dir = output.prepare_output_dir(args.output_dir)
@@ -632,13 +658,23 @@ def run(args) -> dict:
 
     for w in apply_habana_options(args):
         print(f"warning: {w}", file=sys.stderr)
-    inputs = read_inputs(args)
+    if args.dataset_name:
+        from polyfuse.cli.dataset import read_dataset  # --dataset_name: prompts from a datasets data set
+
+        inputs = read_dataset(args)
+    else:
+        inputs = read_inputs(args)
+    if args.peft_model:
+        from polyfuse.cli.peft_adapter import choose_base  # --peft_model: the adapter's base, as optimum-habana
+
+        choose_base(args, lambda path: resolvable(args, path))
     device = pick_device(args.device)
     if args.flash_attention_fast_softmax is None:
         # optimum-habana's intent: fast softmax by default with Gaudi flash attention, an explicit value wins.
         args.flash_attention_fast_softmax = bool(args.use_flash_attention and device.type == "hpu")
     if args.bucket_size is None:
         args.bucket_size = default_bucket_size(device.type, args.max_new_tokens)
+    check_bucket_flags(args)
     prepare_output_dir(args)
     flags = {name: getattr(args, name) for name in FLAG_NAMES} | kernel_flags(args)
     flags, warnings = check_flags(device.type, flags)
@@ -652,9 +688,39 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     model, tokenizer = load(args, device, flags)
     inc_run = inc.start(model)
-    texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
+    prepare_generation(args, model, tokenizer, device, flags)
+    if args.dataset_name:
+        from polyfuse.cli.dataset import print_dataset_report, run_dataset
+
+        runs, result = None, run_dataset(args, model, tokenizer, inputs, device, bars_on(args))
+    else:
+        runs = prompt_runs(args, model, tokenizer, inputs, device)
+    done = inc.finish(inc_run, model)  # MEASURE: the measurement files are written here
+    if done:
+        print(done, file=sys.stderr)
+    if runs is None:
+        result = collect_dataset(args, result, model, device, flags)
+        print_dataset_report(result)
+    else:
+        result = collect(args, runs, runs.used, device, flags)
+        print_report(result, args)
+    written = None
+    if args.output_dir and (settings.get("RANK") or 0) == 0:  # under torchrun rank 0 writes for every rank
+        written = output.write_results(args.output_dir, result)
+        print(f"Results written to {written}")
+    if runs is not None and runs.interrupted:
+        kept = f"results in {written}" if written else "nothing written (no --output_dir)"
+        raise Interrupted(f"interrupted: {len(runs.timed)} of {args.n_iterations} timed runs finished; {kept}")
+    return result
+
+
+def prepare_generation(args, model, tokenizer, device, flags) -> None:
+    """What generate() takes besides the prompts, made once the model and tokenizer are there: --bad_words' ids,
+    the speculative-decoding setup; --print_backends' report."""
+    from polyfuse.cli.generation_options import bad_words_ids
     from polyfuse.cli.speculative_setup import prepare_speculation  # --assistant_model, --speculative_model, ...
 
+    args._polyfuse_bad_words = bad_words_ids(tokenizer, args.bad_words)
     speculation = prepare_speculation(args, model, tokenizer, device, flags, lambda path: draft_checkpoint(args, path))
     if args.print_backends:
         from polyfuse.quant.report import report as quantization_report  # --quant: formats and their kernels
@@ -662,24 +728,25 @@ def run(args) -> dict:
         ops = op_overrides(args)
         print("\n".join(filter(None, [model.kernels.report(), ops and f"op overrides: {ops}",
                                       quantization_report(model), speculation])))  # fmt: skip
+
+
+def prompt_runs(args, model, tokenizer, inputs: list, device) -> "Runs":
+    """The warm-up and timed runs over --prompt / --prompt_file / --chat_file's inputs."""
+    texts, used = check_prompts(args, tokenizer, render_inputs(args, tokenizer, inputs))
     runs = Runs(args, model, tokenizer, texts, row_groups(len(texts), args.batch_size), device)
+    runs.used = used
     runs.go()
     if runs.last is None:
         raise Interrupted("interrupted before any run finished: nothing written")
     warn_chat_model(args, tokenizer, runs)
-    done = inc.finish(inc_run, model)  # MEASURE: the measurement files are written here
-    if done:
-        print(done, file=sys.stderr)
-    result = collect(args, runs, used, device, flags)
-    print_report(result, args)
-    written = None
-    if args.output_dir and (settings.get("RANK") or 0) == 0:  # under torchrun rank 0 writes for every rank
-        written = output.write_results(args.output_dir, result)
-        print(f"Results written to {written}")
-    if runs.interrupted:
-        kept = f"results in {written}" if written else "nothing written (no --output_dir)"
-        raise Interrupted(f"interrupted: {len(runs.timed)} of {args.n_iterations} timed runs finished; {kept}")
-    return result
+    return runs
+
+
+def collect_dataset(args, r: dict, model, device, flags: dict) -> dict:
+    """results.json's contents for a --dataset_name run: its numbers and texts, the model, device, flags, versions."""
+    info = output.run_info(model, device, flags, model_source(args))
+    info["ops"] = op_overrides(args)
+    return {**r, "backends": model.kernels.as_dict(), **info, "args": run_arguments(args)}
 
 
 def set_log_level(name: str) -> None:

@@ -1,6 +1,6 @@
 """What ``polyfuse-generate`` passes to ``generate()`` for the flags of the "generation features" block of
 ``polyfuse/cli/args.py`` (--num_beams, --num_return_sequences, --repetition_penalty, --stop_strings,
---stop_token_ids, --stream), and the speculative-decoding arguments polyfuse/cli/speculative_setup.py prepared.
+--stop_token_ids, --stream), optimum-habana's --bad_words, and the speculative-decoding arguments polyfuse/cli/speculative_setup.py prepared.
 Bad values raise one-line ValueErrors, which the CLI prints as ``error:`` lines."""
 
 from __future__ import annotations
@@ -50,9 +50,30 @@ def cli_generation_kwargs(args, tokenizer) -> dict:
         stop_token_ids=stop_ids,
         tokenizer=tokenizer if stop_strings else None,
         streamer=streamer,
+        bad_words_ids=getattr(args, "_polyfuse_bad_words", None),  # --bad_words (bad_words_ids below)
         **getattr(args, "_polyfuse_speculation", {}),  # polyfuse/cli/speculative_setup.py: method, k, the draft
     )
     check_generation_options(
         args.do_sample, penalty, num_beams, num_return_sequences, False, stop_strings, kwargs["tokenizer"], streamer
     )
     return kwargs
+
+
+def bad_words_ids(tokenizer, words) -> list | None:
+    """--bad_words' token-id sequences, none of which may be generated (transformers' ``bad_words_ids``). Each word
+    as optimum-habana's tokenizer (``add_prefix_space=True``) encodes it, with a leading space: the form a word takes
+    inside text; and as it is encoded alone, at the start of a word. A leading space that is a token of its own is
+    not banned with the word. The prompts keep their own tokenization (optimum-habana's prefix space reaches them)."""
+    if not words:
+        return None
+    out = []
+    for word in words:
+        if not word.strip():
+            raise ValueError(f"--bad_words: {word!r} has no text to ban")
+        alone = tokenizer.encode(word, add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (spaced, alone):
+            separate_space = len(ids) > len(alone) and ids[-len(alone) :] == alone
+            if ids and not separate_space and ids not in out:
+                out.append(ids)
+    return out

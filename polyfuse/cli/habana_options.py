@@ -5,12 +5,14 @@ Each flag here is one of:
 * implemented: ``--sdp_on_bf16``, ``--cache_size_limit``, ``--dynamo_specialize_float``,
   ``--dynamo_allow_unspec_int_on_nn_module`` (torch's settings, as optimum-habana sets them), ``--parallel_strategy
   tp|none`` (under a launcher polyfuse shards the model by tensor parallelism), ``--local_rank`` (launchers pass it;
-  the rank comes from the environment), ``--model_revision main``;
+  the rank comes from the environment), ``--model_revision main``, data-set prompts (``--dataset_name``,
+  ``--column_name``, ``--dataset_max_samples``, ``--run_partial_dataset``: cli/dataset.py), ``--peft_model``
+  (cli/peft_adapter.py), ``--bad_words``, ``--simulate_dyn_prompt`` (cli/dyn_prompt.py);
 * warned (one ``warning:`` line, the run goes on): a flag that changes nothing here, e.g. ``--bucket_internal``
   (polyfuse's --bucket_size always attends KV buckets of one preallocated cache), ``--reduce_recompile``,
   ``--load_quantized_model_with_autogptq`` (GPTQ checkpoints load natively), profiling and graph-count options;
-* refused (one ``error:`` line naming the flag): what polyfuse cannot honour yet (data sets, PEFT adapters, other
-  quantization toolkits, INC checkpoints, flex attention, dynamic-prompt simulation, ...).
+* refused (one ``error:`` line naming the flag): what polyfuse cannot honour yet (MLCommons' pickle, forced words,
+  other quantization toolkits, INC checkpoints, flex attention, ...).
 
 ``HABANA_FLAGS`` is the table (docs/hpu.md shows it; tests/test_habana_options.py checks it against optimum-habana's
 argparse definitions). :func:`apply_habana_options` runs after parsing.
@@ -46,8 +48,15 @@ HABANA_FLAGS = {
     "--dynamo_allow_unspec_int_on_nn_module": ("implemented", "torch._dynamo.config.allow_unspec_int_on_nn_module"),
     "--pt2e_quant_dtype": ("implemented", "used only with --pt2e_path (refused)"),
     "--saved_model_path": ("implemented", "used only with --save_quantized_model_with_inc (refused)"),
-    "--bucket_internal": ("warned", "--bucket_size always attends KV buckets of one preallocated cache"),
-    "--reduce_recompile": ("warned", "inputs are prepared on the device with static shapes already"),
+    "--bucket_internal": (
+        "implemented",
+        "polyfuse always buckets internally: one preallocated KV cache, each "
+        "decode step attends its bucket; needs --use_kv_cache and --bucket_size >= 0",
+    ),
+    "--reduce_recompile": (
+        "implemented",
+        "prompts prepared on the host, only whole-bucket shapes reach the device; needs --bucket_size > 0",
+    ),
     "--clear_hpu_graphs_cache": ("warned", "graphs are dropped when the KV cache is reallocated"),
     "--show_graphs_count": ("warned", "no graph dump count is kept"),
     "--verbose_workers": ("warned", "ranks other than 0 stay silent"),
@@ -57,21 +66,40 @@ HABANA_FLAGS = {
     "--profile_whole_sequences": ("warned", "no Habana profiler is run"),
     "--attn_batch_split": ("warned", "attention runs unsplit"),
     "--decode_attn_batch_split": ("warned", "attention runs unsplit"),
-    "--regional_compile": ("warned", "--torch_compile compiles the ops that run their native reference"),
-    "--force_static_compile": ("warned", "--torch_compile compiles the ops that run their native reference"),
+    "--regional_compile": (
+        "implemented",
+        "with --torch_compile: each decoder layer compiled, not the whole decoder (CUDA: the ops, with a warning)",
+    ),
+    "--force_static_compile": (
+        "implemented",
+        "with --torch_compile: dynamic=False, a graph per shape (Gaudi: and hpu_backend's force_static_compile)",
+    ),
     "--attn_implementation": ("warned", "eager unless --use_flash_attention (its default, eager, changes nothing)"),
     "--trust_remote_code_tokenizer": ("warned", "the tokenizer is read without code from the checkpoint"),
     "--load_quantized_model_with_autogptq": ("warned", "polyfuse loads GPTQ checkpoints itself"),
-    "--dataset_name": ("refused", "data-set prompts are not supported yet: give --prompt"),
-    "--mlcommons_dataset": ("refused", "data-set prompts are not supported yet"),
-    "--column_name": ("refused", "data-set prompts are not supported yet"),
-    "--dataset_max_samples": ("refused", "data-set prompts are not supported yet"),
-    "--run_partial_dataset": ("refused", "data-set prompts are not supported yet"),
+    "--dataset_name": (
+        "implemented",
+        "prompts from a datasets data set: local folder or file, or a Hub id (cache when offline); cli/dataset.py",
+    ),
+    "--mlcommons_dataset": ("refused", "MLCommons' pickled OpenOrca is not supported: give --dataset_name"),
+    "--column_name": ("implemented", "with --dataset_name: the column of prompts (default: its first of strings)"),
+    "--dataset_max_samples": ("implemented", "with --dataset_name: >0: only that many (shuffled) rows"),
+    "--run_partial_dataset": ("implemented", "with --dataset_name: stop after --n_iterations batches"),
     "--penalty_alpha": ("refused", "contrastive search is not supported"),
-    "--bad_words": ("refused", "bad-word constraints are not supported"),
-    "--force_words": ("refused", "forced-word constraints are not supported"),
-    "--peft_model": ("refused", "PEFT adapters at generation are not supported yet (merge them into the model)"),
-    "--simulate_dyn_prompt": ("refused", "dynamic-prompt simulation is not supported yet"),
+    "--bad_words": ("implemented", "words never generated (transformers' bad_words_ids)"),
+    "--force_words": (
+        "refused",
+        "needs transformers' constrained beam search (force_words_ids), which polyfuse's beam search does not run",
+    ),
+    "--peft_model": (
+        "implemented",
+        "a PEFT adapter merged into the weights before generation (its base: the "
+        "adapter's, else --model_name_or_path)",
+    ),
+    "--simulate_dyn_prompt": (
+        "implemented",
+        "prompt lengths: warm-up on each (or on every bucket), then one per timed run, cycling",
+    ),
     "--use_flex_attention": ("refused", "flex attention is not supported"),
     "--book_source": ("refused", "downloads books from the network; give --prompt"),
     "--const_serialization_path": ("refused", "const serialization is Habana-specific and not supported"),
@@ -155,8 +183,15 @@ def apply_habana_options(args) -> list[str]:
         raise ValueError("--parallel_strategy ep: expert parallelism is not supported (tp or none)")
     if args.model_revision != "main":
         raise ValueError(f"--model_revision {args.model_revision}: only main is supported")
+    if args.simulate_dyn_prompt == []:  # given without lengths: the static prompt (optimum-habana's help says)
+        args.simulate_dyn_prompt = None
+    if args.simulate_dyn_prompt is not None and any(n < 1 for n in args.simulate_dyn_prompt):
+        raise ValueError(f"--simulate_dyn_prompt: prompt lengths must be >= 1, got {args.simulate_dyn_prompt}")
     warnings = [f"{flag}: changes nothing here ({note})" for flag, (status, note) in HABANA_FLAGS.items()
                 if status == "warned" and _given(args, flag)]  # fmt: skip
+    for flag in ("--regional_compile", "--force_static_compile"):
+        if _given(args, flag) and not getattr(args, "torch_compile", False):
+            warnings.append(f"{flag} without --torch_compile: changes nothing (as in optimum-habana)")
     import torch
 
     if args.sdp_on_bf16:

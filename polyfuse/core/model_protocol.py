@@ -72,5 +72,9 @@ class CausalLM(Protocol):
         EAGLE-3 heads): returns (logits, hidden [B, L, len(hidden_layers) * hidden size]), the residual stream
         entering each of those layers at every position of the step, concatenated in that order."""
 
+    def compile_decoder(self, compile_fn, regional: bool = False) -> None:
+        """Compile the decoder in place for inference (polyfuse.loader.compile): the whole decoder, or each decoder
+        layer when ``regional``; ``compile_fn(fn)`` returns the compiled callable, None drops an earlier compile."""
+
     def __call__(self, input_ids, attention_mask=None, position_ids=None, labels=None):
         """Full-sequence forward without a cache: an output with ``.logits`` (or ``.loss`` with labels)."""

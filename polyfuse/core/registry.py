@@ -340,7 +340,16 @@ class Kernels:
             lines.append("  kernel options: " + ", ".join(f"{n}={v}" for n, v in set_options.items()))
         return "\n".join(lines)
 
-    def compiled(self, backend: str = "inductor") -> "Kernels":
+    def resolve_imports(self) -> None:
+        """Import every lazily imported implementation of the chosen chains now (plugins.lazy_function), so that a
+        torch.compile trace of code calling them never traces an import."""
+        for choice in self.choices.values():
+            for impl in choice.chain:
+                resolve = getattr(impl.fn, "resolve", None)
+                if resolve is not None:
+                    resolve()
+
+    def compiled(self, backend: str = "inductor", dynamic=None) -> "Kernels":
         """The same choices with every op that runs its native reference wrapped in torch.compile; fused
         implementations are kernels already and run as they are (tracing their launchers gains nothing and inductor
         cannot lower every launcher's argument preparation). An op that runs its composite definition is not
@@ -354,7 +363,9 @@ class Kernels:
         for name, choice in self.choices.items():
             spec = _OPS[name]
             if choice.implementation.name == NATIVE and spec.compose is None and spec.compile:
-                setattr(out, name, torch.compile(_own_code(getattr(out, name), name), backend=backend, dynamic=None))
+                setattr(
+                    out, name, torch.compile(_own_code(getattr(out, name), name), backend=backend, dynamic=dynamic)
+                )
                 out.compiled_ops.append(name)
         return out
 

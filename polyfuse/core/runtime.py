@@ -40,6 +40,12 @@ class DeviceRuntime:
     # Every new tensor shape costs a graph compilation (Gaudi): generation keeps shapes static where it can (the
     # cache-less forward over prompt + max_new_tokens positions).
     static_shapes = False
+    # --torch_compile compiles the whole decoder (each layer with --regional_compile) as optimum-habana does on
+    # Gaudi; False: the ops that run their native reference, unless --regional_compile / --force_static_compile ask
+    # for the decoder's layers (polyfuse/loader/compile.py).
+    compiles_decoder = False
+    # Whether decoder layers compile with this device's backend (False where they launch kernels it cannot trace).
+    compiles_layers = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -94,6 +100,10 @@ class DeviceRuntime:
     def compile_backend(self) -> str:
         """The torch.compile backend for this device."""
         return "inductor"
+
+    def compile_options(self, static: bool) -> Optional[dict]:
+        """torch.compile's ``options`` for this device's backend (``static``: --force_static_compile), or None."""
+        return None
 
     def fused_optimizer(self, params, **kwargs):
         """The device's fused AdamW over ``params`` (parameter groups), or None to let the trainer build its own."""

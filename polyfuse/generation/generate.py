@@ -6,6 +6,11 @@ semantics; it picks the strategy and the feed, each in its own module:
   HPU) or beam search (beam_search.py), fed by the decode step over the KV cache (feeds.py);
 * ``use_cache=False``: the per-token loop or beam search fed by the cache-less forward (the baseline).
 
+Where every new shape is a graph compilation (``runtime.static_shapes``: Gaudi) and ``bucket_size`` > 0, the prompts
+run left-padded to whole buckets (prompts.py); prompts given on the host are prepared there and their result comes
+back there, the padding dropped on the host, so that only bucket shapes reach the device (the CLI's
+--reduce_recompile).
+
 Every step runs through the device runtime (``runtime.graph_module``, steps.py), so CUDA or HPU graphs replace it
 when the run asks for them; everything here is device-agnostic. The settings are :class:`GenerationOptions`.
 """
@@ -90,7 +95,8 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     if speculation is not None and (objects["logits_processor"] or objects["stopping_criteria"] or options.outputs):
         raise ValueError("speculative decoding takes no logits_processor, stopping_criteria, output_scores or "
                          "output_logits: drop them or the speculative arguments")  # fmt: skip
-    prompts = prepare_prompts(model, input_ids, attention_mask, options)
+    static = speculation is None and getattr(model.runtime, "static_shapes", False)  # prompts in whole buckets
+    prompts = prepare_prompts(model, input_ids, attention_mask, options, static_buckets=static)
     stop = StopStrings(options.stop_strings, objects["tokenizer"]) if options.stop_strings else None
     d = Decoding(model, prompts, options, objects["generator"], stop, objects["streamer"], objects["hooks"])
     proposer = make_proposer(speculation, model, prompts.eos, *drafts) if speculation is not None else None
@@ -100,18 +106,29 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     d.criteria = criteria_of(objects["stopping_criteria"])
     d.record = StepRecord(options) if options.return_dict_in_generate else None
     if d.streamer is not None:
-        d.streamer.put(prompts.input_ids.cpu())
+        d.streamer.put(prompts.input_ids[:, prompts.extra :].cpu())
     if proposer is not None:
         result = speculative_decode(d, proposer)
     else:
         result = decode_cached(d) if options.use_cache else decode_without_cache(d)
+    new_tokens = result.shape[1] - prompts.n
+    result = without_bucket_padding(result, prompts, input_ids.device, model.device)
     if d.hooks is not None:
-        d.hooks.end(result.shape[1] - prompts.n)
+        d.hooks.end(new_tokens)
     if d.streamer is not None:
         d.streamer.end()
     if d.record is not None:
         return d.record.output(result, d.beam_outputs)
     return result
+
+
+def without_bucket_padding(result, prompts, given_on, device) -> torch.Tensor:
+    """``result`` without the columns a static-shape run added to reach a whole bucket, dropped on the host when
+    the prompts came from there (no graph of the unpadded width on the device)."""
+    if not prompts.extra:
+        return result
+    host = given_on.type == "cpu" and device.type != "cpu"
+    return (result.cpu() if host else result)[:, prompts.extra :]
 
 
 def per_token_reasons(d: Decoding) -> list:

@@ -1,5 +1,11 @@
 """The prompts as the engine runs them: on the model's device, rows repeated per beam or returned sample, with the
-ids that end a row and the pad id resolved against the model's config."""
+ids that end a row and the pad id resolved against the model's config.
+
+They are prepared where they arrive (host tensors on the host: only the finished batch is copied to the device) and,
+where every new shape is a graph compilation (``runtime.static_shapes``: Gaudi) and ``bucket_size`` > 0,
+left-padded to a whole number of buckets, as optimum-habana pads them (its ``update_model_kwargs_for_bucketing``):
+prompts of any length in one bucket run the graphs of that bucket. The added columns are masked, so the tokens are
+the unpadded prompt's; generate() drops them from the result."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from polyfuse.generation.kv_cache import bucketed
 from polyfuse.generation.options import GenerationOptions
 from polyfuse.generation.padding import to_left_padding
 
@@ -20,6 +27,7 @@ class Prompts:
     eos: list  # ids that end a row (EOS ids and stop token ids)
     pad_token_id: int
     max_new_tokens: int
+    extra: int = 0  # left columns added to reach a whole bucket (dropped from the result)
 
     @property
     def rows(self) -> int:
@@ -43,7 +51,9 @@ class Prompts:
         return (self.mask.long().cumsum(-1) - 1).masked_fill(~self.mask, 1)
 
 
-def prepare_prompts(model, input_ids, attention_mask: Optional[torch.Tensor], options: GenerationOptions) -> Prompts:
+def prepare_prompts(model, input_ids, attention_mask: Optional[torch.Tensor], options: GenerationOptions,
+                    static_buckets: bool = False) -> Prompts:  # fmt: skip
+    """``static_buckets``: left-pad to whole buckets of ``options.bucket_size`` (see the module's docstring)."""
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [batch >= 1, length >= 1], got {tuple(input_ids.shape)}")
     cfg = model.config
@@ -58,15 +68,20 @@ def prepare_prompts(model, input_ids, attention_mask: Optional[torch.Tensor], op
     pad = options.pad_token_id
     if pad is None:
         pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-    device = model.device
-    input_ids = input_ids.to(device)
     if attention_mask is None:
         mask = torch.ones_like(input_ids, dtype=torch.bool)
     else:
-        mask = attention_mask.to(device).bool()
+        mask = attention_mask.to(input_ids.device).bool()
     input_ids, mask = to_left_padding(input_ids, mask)  # a right-padded batch generates as its left-padded twin
-    padded = attention_mask is not None and not bool(mask.all())
+    extra = 0
+    if static_buckets and options.bucket_size > 0:
+        extra = bucketed(n, options.bucket_size, cfg.max_position_embeddings - new_tokens) - n
+        if extra:
+            input_ids = torch.nn.functional.pad(input_ids, (extra, 0), value=pad)
+            mask = torch.nn.functional.pad(mask, (extra, 0), value=False)
+    padded = bool(extra) or (attention_mask is not None and not bool(mask.all()))
     if options.copies > 1:
         input_ids = input_ids.repeat_interleave(options.copies, dim=0)
         mask = mask.repeat_interleave(options.copies, dim=0)
-    return Prompts(input_ids, mask, padded, eos, pad, new_tokens)
+    device = model.device
+    return Prompts(input_ids.to(device), mask.to(device), padded, eos, pad, new_tokens, extra)

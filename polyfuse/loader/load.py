@@ -29,6 +29,7 @@ from polyfuse.core.registry import resolve
 from polyfuse.core.runtime import get_runtime
 from polyfuse.distributed.context import agree, for_build
 from polyfuse.distributed.sharding import TensorParallelError
+from polyfuse.loader.compile import compile_for_run
 from polyfuse.loader.hf_args import resolve_dtype
 from polyfuse.loader.hf_files import checkpoint_fields, generation_config_for, tokenizer_source
 from polyfuse.ops.attention import options_from_flags
@@ -95,8 +96,10 @@ def set_kernels(model, flags: dict, overrides: str = "", training: bool = False,
     model.runtime = get_runtime(device)
     model.flags = dict(flags)
     model.attention_options = options_from_flags(flags)
+    if hasattr(model, "compile_decoder"):
+        model.compile_decoder(None)  # a decoder compiled for earlier kernels runs them no more
     if flags.get("torch_compile"):
-        model.kernels = model.kernels.compiled(model.runtime.compile_backend())
+        compile_for_run(model, flags, training)  # loader/compile.py: the whole decoder, its layers or its ops
     return model.kernels
 
 

@@ -608,6 +608,22 @@ class DecoderForCausalLM(HFCausalLMBase):
             key_mask = torch.ones(batch, kv_len, dtype=torch.bool, device=cache_position.device)
         return {w: self._meta(1, key_mask, cache_position[-1:], kv_len, True, w) for w in self.windows}
 
+    def compile_decoder(self, compile_fn, regional: bool = False) -> None:
+        """--torch_compile's regions (optimum-habana's ``get_torch_compiled_model``): the whole decoder, embedding to
+        final norm (``hidden_states``, which every step and the cache-less forward run), or with ``regional`` each
+        decoder layer (its ``compile_regions``). ``compile_fn(fn)`` returns the compiled callable; None only drops
+        what an earlier call compiled (the loader calls it whenever the kernels are set again)."""
+        self.__dict__.pop("hidden_states", None)
+        for layer in self.model.layers:
+            layer.__dict__.pop("forward", None)
+        if compile_fn is None:
+            return
+        if regional:
+            for layer in self.model.layers:
+                layer.forward = compile_fn(layer.forward)
+        else:
+            self.hidden_states = compile_fn(self.hidden_states)
+
     def head_logits(self, h) -> torch.Tensor:
         """The LM head on ``h``: the ``linear`` ops, or ``linear_q`` where the head is packed (--quant_lm_head)."""
         head = self.lm_head

@@ -12,6 +12,9 @@ from polyfuse.core.runtime import DeviceRuntime, Step
 class CudaRuntime(DeviceRuntime):
     device_type = "cuda"
     honours = frozenset({"use_cuda_graphs", "cuda_graph_prefill"})
+    # The layers launch Triton kernels, which inductor does not trace reliably (registry.Kernels.compiled): the
+    # native ops compile on their own instead.
+    compiles_layers = False
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -44,13 +44,33 @@ def missing_reason(module: str, name: Optional[str] = None) -> Optional[str]:
     return f"{module}.{name} not importable" if name else f"{module} not importable"
 
 
+# What require() found, in a plain dict: the kernels ask on every call, and under torch.compile dynamo traces that
+# ask (a dict lookup it guards on) where it could not trace the import behind import_component's cache.
+_FOUND: dict = {}
+
+
 def require(module: str, name: str) -> Any:
+    found = _FOUND.get((module, name))
+    if found is not None:
+        return found
     component = import_component(module, name)
     if component is None:
         if import_component(module) is not None:  # the bridge is there; this build or mode does not export the name
             raise RuntimeError(f"polyfuse hpu backend: {module} has no {name} in this Habana build or mode")
         raise RuntimeError(f"polyfuse hpu backend: {module}.{name} not importable (run inside Habana's container)")
+    _FOUND[(module, name)] = component
     return component
+
+
+# The kernels the HPU implementations look up on every call (require); found ahead of a torch.compile trace.
+CALLED_KERNELS = ((KERNELS, "FusedSDPA"), (KERNELS, "RotaryPosEmbeddingHelperV2"), (NORMALIZATION, "FusedRMSNorm"))
+
+
+def find_called_kernels() -> None:
+    """Look up every kernel of CALLED_KERNELS that imports, so that a traced call finds it in ``_FOUND``."""
+    for module, name in CALLED_KERNELS:
+        if import_component(module, name) is not None:
+            require(module, name)
 
 
 def import_bridge() -> bool:
@@ -84,5 +104,6 @@ def generation() -> Optional[str]:
 
 
 def clear_cache() -> None:
+    _FOUND.clear()
     import_component.cache_clear()
     generation.cache_clear()

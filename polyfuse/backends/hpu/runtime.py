@@ -116,6 +116,7 @@ class HpuRuntime(DeviceRuntime):
     # Whether HPU graphs replay in-place updates of their inputs faithfully is unverified: keep the per-token loop.
     inplace_decode = False
     static_shapes = True  # lazy mode compiles a graph per shape signature
+    compiles_decoder = True  # --torch_compile: the whole decoder with hpu_backend (optimum-habana's)
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -207,7 +208,12 @@ class HpuRuntime(DeviceRuntime):
         """``"hpu_backend"``, in eager mode only (ValueError naming PT_HPU_LAZY_MODE=0 in lazy mode)."""
         if self.lazy_mode:
             raise ValueError(COMPILE_NEEDS_EAGER)
+        _habana.find_called_kernels()  # before dynamo traces a kernel's lookup (an import it cannot trace)
         return "hpu_backend"
+
+    def compile_options(self, static: bool) -> dict:
+        """hpu_backend's options as optimum-habana's ``get_torch_compiled_model`` passes them."""
+        return {"force_static_compile": bool(static), "keep_input_mutations": True}
 
     # -- training --------------------------------------------------------------------------------------------------
     def fused_optimizer(self, params, **kwargs):

@@ -11,6 +11,11 @@ CALLS: list = []
 
 
 def record(name, *args, **kwargs):
+    """Into ``CALLS``; not while torch.compile traces (a compiled graph runs no Python, so no call is recorded)."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return
     CALLS.append((name, args, kwargs))
 
 

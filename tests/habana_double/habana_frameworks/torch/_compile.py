@@ -3,11 +3,11 @@
 The real backend lowers dynamo's graph through AOT autograd to ATen ops and compiles them for the device. The double
 does the same lowering (``aot_autograd``) and refuses what the device could not compile: a graph input on another
 device (the HPU compiles for HPU tensors) and a node that is no ATen / prims / ``hpu::`` operator (a Triton kernel,
-an opaque Python callable). Each compiled graph is recorded as ``("hpu_backend.compile", n_nodes)`` and
+an opaque Python callable; SymInt arithmetic of dynamic sizes passes). Each compiled graph is recorded as
+``("hpu_backend.compile", n_nodes)``, ``("hpu_backend.options", the options torch.compile passed)`` and
 ``("hpu_backend.graph", [op names])``, so a test can count the graphs dynamo split a model into.
 """
 
-import operator
 import sys
 
 import torch
@@ -17,7 +17,7 @@ def record(name, *args):
     """Into the double imported now: the backend stays registered with dynamo after a test forgets the double."""
     double = sys.modules.get("habana_frameworks")
     if double is not None and getattr(double, "TEST_DOUBLE", False):
-        double.record(name, *args)
+        double.CALLS.append((name, args, {}))  # not record(): that one is silent while torch.compile runs
 
 
 def _check_inputs(example_inputs):
@@ -35,9 +35,10 @@ def _check_graph(gm: torch.fx.GraphModule):
         if node.op != "call_function":
             continue
         target = node.target
-        if not (
-            isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or target is operator.getitem
-        ):
+        sym_arithmetic = getattr(target, "__module__", None) in ("_operator", "operator", "math") or str(
+            target
+        ).startswith("<function sym_")  # sizes of dynamic shapes (SymInt arithmetic), computed on the host
+        if not (isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or sym_arithmetic):
             raise RuntimeError(f"hpu_backend (test double): cannot compile {target!r} for the HPU (not an ATen op)")
         names.append(str(target))
     return names
@@ -48,6 +49,7 @@ def hpu_backend(gm, example_inputs, **kwargs):
 
     _check_inputs(example_inputs)
     record("hpu_backend.compile", len(gm.graph.nodes))
+    record("hpu_backend.options", dict(kwargs.get("options") or {}))
 
     def compile_fn(graph, inputs):
         record("hpu_backend.graph", _check_graph(graph))

@@ -274,6 +274,8 @@ class _FunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return _traced(func, args, kwargs)
         if func is torch.Tensor.to:
             t = args[0]
             device, dtype, non_blocking, copy = _to_target(args[1:], kwargs)
@@ -304,6 +306,32 @@ class _FunctionMode(TorchFunctionMode):
                     raise RuntimeError(f"{func.__name__}: dtype {t.dtype} is not supported on HPU (test double)")
             return tree_map(_wrap, out)
         return func(*args, **kwargs)
+
+
+@torch._dynamo.allow_in_graph
+def _on_hpu_traced(t: torch.Tensor) -> torch.Tensor:
+    """A tensor made inside a torch.compile region, as the HPU tensor it is on a Gaudi. Dynamo cannot trace a
+    wrapper's construction, so the call goes into its graph whole (AOT autograd then traces it as the subclass)."""
+    return HpuTensor(t)
+
+
+def _traced(func, args, kwargs):
+    """The mode while dynamo traces a torch.compile region: constructors and moves to the HPU give HPU tensors
+    through ops it can trace; everything else runs as torch runs it (HPU tensors keep dispatching to the device)."""
+    if func is torch.Tensor.to and not isinstance(args[0], HpuTensor):
+        device = _to_target(args[1:], kwargs)[0]
+        if device is not None and device.type == "hpu":
+            rest = {k: v for k, v in kwargs.items() if k not in ("device",)}
+            plain = [a for a in args[1:] if not _is_hpu_device(a)]
+            return _on_hpu_traced(args[0].to(*plain, **rest))
+        return func(*args, **kwargs)
+    device = kwargs.get("device")
+    if device is None and _default_is_hpu() and func in _CONSTRUCTORS:
+        device = HPU
+    if _is_hpu_device(device):
+        return tree_map(lambda t: _on_hpu_traced(t) if isinstance(t, torch.Tensor) else t,
+                        func(*args, **dict(kwargs, device="cpu")))  # fmt: skip
+    return func(*args, **kwargs)
 
 
 _MODES: list = []
