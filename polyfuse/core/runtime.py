@@ -84,6 +84,16 @@ class DeviceRuntime:
         place and returns nothing)."""
         return Step(module)
 
+    def inference_graphs(self, module: torch.nn.Module, disable_tensor_cache: bool = False, max_graphs=None):
+        """``module``, its forward run through the device's graphs for evaluation (the trainer's
+        ``use_hpu_graphs_for_inference``); the base runtime returns it unchanged."""
+        return module
+
+    def training_graphs(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module``, its training forward and backward cached in the device's graphs (``use_hpu_graphs_for_training``);
+        the base runtime returns it unchanged."""
+        return module
+
     @classmethod
     def fp8_max(cls) -> Optional[float]:
         """The largest e4m3 value this device holds where it is less than float8_e4m3fn's 448 (Gaudi2: 240), else

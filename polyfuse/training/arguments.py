@@ -1,6 +1,6 @@
-"""``PolyfuseTrainingArguments``: transformers' TrainingArguments plus the fused-op and Gaudi flags, with
-optimum-habana's names and meanings (``use_habana``, ``use_lazy_mode``, ``gaudi_config_name``,
-``use_flash_attention``, ``flash_attention_recompute``, ``flash_attention_causal_mask``)."""
+"""``PolyfuseTrainingArguments``: transformers' TrainingArguments plus the fused-op flags and every field of
+optimum-habana 1.21's GaudiTrainingArguments with its name, type, default and meaning (polyfuse/training/
+gaudi_arguments.py: implemented, warned or refused)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from transformers import TrainingArguments
 from polyfuse.core import settings
 from polyfuse.core.platform import default_device_type, hpu_available
 from polyfuse.distributed.context import world_size_from_env
+from polyfuse.training import gaudi_arguments
+from polyfuse.training.gaudi_arguments import GaudiTrainingFields
 
 
 # use_fused_* flag -> the registry ops it controls (off -> "-op", i.e. the native reference).
@@ -44,18 +46,16 @@ def cpu_fsdp_unsupported() -> Optional[str]:
 
 
 @dataclass
-class PolyfuseTrainingArguments(TrainingArguments):
+class PolyfuseTrainingArguments(GaudiTrainingFields, TrainingArguments):
+    """transformers' TrainingArguments, optimum-habana's GaudiTrainingArguments fields (gaudi_arguments.py) and
+    polyfuse's fused-op flags."""
+
     use_flash_attention: bool = field(
         default=False,
         metadata={"help": "Fused/flash attention (Habana FusedSDPA on Gaudi, Triton/SDPA flash kernels on CUDA)."},
     )
-    flash_attention_recompute: bool = field(
-        default=False,
-        metadata={"help": "Recompute attention in the backward instead of keeping it (less memory). Needs flash."},
-    )
-    flash_attention_causal_mask: bool = field(
-        default=False,
-        metadata={"help": "Use the kernel's causal flag instead of a mask tensor. Needs --use_flash_attention."},
+    attn_softmax_bf16: bool = field(
+        default=False, metadata={"help": "Eager attention's softmax in bf16 (Gaudi; a warning elsewhere)."}
     )
     use_fused_rms_norm: bool = field(default=True, metadata={"help": "Fused RMSNorm (and residual add + RMSNorm)."})
     use_fused_rope: bool = field(default=True, metadata={"help": "Fused rotary position embedding."})
@@ -67,23 +67,10 @@ class PolyfuseTrainingArguments(TrainingArguments):
         default="",
         metadata={"help": "Op overrides, e.g. '+attention,-rotary,rms_norm=native' (applied after use_fused_*)."},
     )
-    use_habana: bool = field(default=False, metadata={"help": "Train on an Intel Gaudi (HPU)."})
-    use_lazy_mode: Optional[bool] = field(
-        default=None,
-        # nargs / const: a bare --use_lazy_mode, as optimum-habana's README lines give it (HfArgumentParser passes
-        # metadata to argparse; an Optional[bool] with a None default would need a value otherwise).
-        metadata={
-            "help": "HPU lazy mode (mark_step at step boundaries). Default: on with --use_habana.",
-            "nargs": "?",
-            "const": True,
-        },
-    )
-    gaudi_config_name: Optional[str] = field(
-        default=None,
-        metadata={"help": "gaudi_config.json (use_fused_adam, use_fused_clip_norm, use_torch_autocast). HPU only."},
-    )
 
     def __post_init__(self):
+        gaudi_arguments.habana_defaults(self)
+        gaudi_arguments.check_fields(self)
         self._validate_polyfuse()
         if not self.use_cpu and not self.use_habana and world_size_from_env() > 1 and default_device_type() == "cpu":
             # torchrun on a machine without an accelerator: without use_cpu accelerate sees no distributed setup and
@@ -105,6 +92,8 @@ class PolyfuseTrainingArguments(TrainingArguments):
             # run. It only matters for cpu_ram_efficient_loading (rank 0's weights broadcast), which a CPU run
             # does not use: off unless the user set it.
             settings.set_for_child("FSDP_SYNC_MODULE_STATES", "false")
+        # one line per field that changes nothing on this run (scripts print them as warning: lines)
+        self.gaudi_notes = gaudi_arguments.gaudi_notes(self, "hpu" if self.use_habana else self.device.type)
 
     def _join_gloo_group(self) -> None:
         """A CPU run under torchrun joins its gloo group here, waiting at most ``ddp_timeout`` seconds for the other
@@ -146,8 +135,11 @@ class PolyfuseTrainingArguments(TrainingArguments):
                 )
             if self.fsdp:
                 raise ValueError("--deepspeed and --fsdp cannot be used together: choose one")
-        if (self.flash_attention_recompute or self.flash_attention_causal_mask) and not self.use_flash_attention:
-            raise ValueError("--flash_attention_recompute / --flash_attention_causal_mask need --use_flash_attention")
+        sub = [n for n in ("flash_attention_recompute", "flash_attention_causal_mask", "flash_attention_fast_softmax")
+               if getattr(self, n)]  # fmt: skip
+        if sub and not self.use_flash_attention:
+            raise ValueError(f"--{' / --'.join(sub)} need --use_flash_attention (optimum-habana: --attn_implementation "
+                             "gaudi_fused_sdpa)")  # fmt: skip
         if self.use_habana:
             from polyfuse.core.runtime import runtime_class
 
@@ -158,6 +150,13 @@ class PolyfuseTrainingArguments(TrainingArguments):
                 )
             if self.use_lazy_mode is None:
                 self.use_lazy_mode = bridge_lazy
+            if self.gaudi_config_name:  # read now, as optimum-habana's _setup_devices does: a missing one fails early
+                from polyfuse.training.gaudi_config import GaudiConfig
+
+                GaudiConfig.from_pretrained(self.gaudi_config_name)
+            if gaudi_arguments.graphs_on(self) and not self.use_lazy_mode and not self.torch_compile_backend:
+                raise ValueError("--use_hpu_graphs_for_inference / --use_hpu_graphs_for_training cannot be used in "
+                                 "eager mode: set PT_HPU_LAZY_MODE=1 and --use_lazy_mode")  # fmt: skip
         if self.use_lazy_mode is None:
             self.use_lazy_mode = False
         registry.ops()  # loads the op declarations' users (backend plugins) so overrides can be checked
@@ -171,6 +170,9 @@ class PolyfuseTrainingArguments(TrainingArguments):
             "flash_attention_causal_mask": self.flash_attention_causal_mask,
             "use_habana": self.use_habana,
             "use_lazy_mode": bool(self.use_lazy_mode),
+            # Habana-only options: asked for on other devices they are one warning (gaudi_notes), not passed on
+            "flash_attention_fast_softmax": self.flash_attention_fast_softmax and self.use_habana,
+            "attn_softmax_bf16": self.attn_softmax_bf16 and self.use_habana,
         }
 
     def polyfuse_overrides(self) -> str:

@@ -29,6 +29,7 @@ from polyfuse.core.runtime import get_runtime
 from polyfuse.training import fsdp as _fsdp
 from polyfuse.training.arguments import PolyfuseTrainingArguments
 from polyfuse.training.gaudi_config import GaudiConfig
+from polyfuse.training.gaudi_steps import GaudiSteps
 
 
 logger = logging.getLogger("polyfuse")
@@ -52,14 +53,14 @@ def _is_polyfuse_model(model: nn.Module) -> bool:
 
 
 class _StepBoundary(TrainerCallback):
-    def __init__(self, runtime):
-        self.runtime = runtime
+    def __init__(self, trainer):
+        self.trainer = trainer
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        self.runtime.mark_step()
+        self.trainer.runtime.mark_step()
 
 
-class PolyfuseTrainer(Trainer):
+class PolyfuseTrainer(GaudiSteps, Trainer):
     def __init__(self, model: Optional[nn.Module] = None, args: Optional[PolyfuseTrainingArguments] = None, *a, **kw):
         gaudi_config = kw.pop("gaudi_config", None)
         if args is None:
@@ -96,7 +97,11 @@ class PolyfuseTrainer(Trainer):
             # polyfuse's forward returns a mean loss and ignores num_items_in_batch: let the Trainer scale it.
             self.model_accepts_loss_kwargs = False
         if args.use_habana and args.use_lazy_mode:
-            self.add_callback(_StepBoundary(self.runtime))
+            self.add_callback(_StepBoundary(self))
+        self._init_gaudi_steps()
+        if not getattr(args, "gaudi_notes_shown", False):
+            for note in getattr(args, "gaudi_notes", ()):  # fields that change nothing here (the scripts print them)
+                logger.warning("warning: %s", note)
 
     # ------------------------------------------------------------------------------------------ model preparation
 
@@ -217,6 +222,7 @@ class PolyfuseTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
+        self._set_dynamo_plugin()  # compile_dynamic, use_regional_compilation
         _fsdp.enable_on_cpu(self)  # FSDP on a CPU (gloo) run: accelerate enables it on accelerators only
         if not _TRAINER_HAS_CLIP_HOOK:
             # transformers 4.x has no _clip_grad_norm hook: its loop calls accelerator.clip_grad_norm_(params,
@@ -243,10 +249,10 @@ class PolyfuseTrainer(Trainer):
             self._tokens_since_log, self._last_log_time = 0, now
             self._add_memory(logs)
         elif "train_runtime" in logs and self._train_start_time is not None:
-            logs.setdefault(
-                "train_tokens_per_second", round(self._tokens_total / max(now - self._train_start_time, 1e-9), 2)
-            )
+            self._speed_metrics(logs, self._tokens_total)  # throughput_warmup_steps / adjust_throughput
             self._add_memory(logs)
+        else:
+            self._speed_metrics(logs, 0)  # an evaluation's, with throughput_warmup_steps
         super().log(logs, start_time)
 
     def _add_memory(self, logs: dict) -> None:

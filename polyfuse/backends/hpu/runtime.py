@@ -166,6 +166,23 @@ class HpuRuntime(DeviceRuntime):
             setattr(module, _WRAPPED, True)
         return HpuGraphStep(module, bypass=phase == "prefill" and bool(flags.get("limit_hpu_graphs")))
 
+    def inference_graphs(self, module: torch.nn.Module, disable_tensor_cache: bool = False, max_graphs=None):
+        """``wrap_in_hpu_graph(module, disable_tensor_cache=, max_graphs=)`` as optimum-habana's GaudiTrainer wraps
+        the model for evaluation (lazy mode only); the module's forward is replaced in place."""
+        if not self.lazy_mode:
+            raise ValueError(GRAPHS_NEED_LAZY.replace("--use_hpu_graphs", "--use_hpu_graphs_for_inference"))
+        wrap = _habana.require(_habana.HPU, "wrap_in_hpu_graph")
+        return wrap(module, disable_tensor_cache=disable_tensor_cache, max_graphs=max_graphs)
+
+    def training_graphs(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Habana's ``ModuleCacher()(model=module, inplace=True)``, as GaudiTrainer's ``_wrap_model`` does with
+        ``use_hpu_graphs_for_training`` (lazy mode only)."""
+        if not self.lazy_mode:
+            raise ValueError(GRAPHS_NEED_LAZY.replace("--use_hpu_graphs", "--use_hpu_graphs_for_training"))
+        cacher = _habana.require(_habana.HPU, "ModuleCacher")
+        cacher()(model=module, inplace=True)
+        return module
+
     # -- quantized weights -----------------------------------------------------------------------------------------
     @classmethod
     def fp8_max(cls):

@@ -42,7 +42,7 @@ def reset_peak_memory_stats():
 
 
 if is_lazy():
-    from habana_frameworks.torch.hpu.graphs import input_hash, wrap_in_hpu_graph  # noqa: F401
+    from habana_frameworks.torch.hpu.graphs import ModuleCacher, input_hash, wrap_in_hpu_graph  # noqa: F401
 
 
 class Stream:

@@ -92,3 +92,18 @@ def wrap_in_hpu_graph(module, asynchronous=False, disable_tensor_cache=False, dr
     module.forward = forward
     module.clear_cache = cache.clear
     return module
+
+
+class ModuleCacher:
+    """``ModuleCacher(max_graphs=10)(model=module, inplace=True)``: the bridge caches each module's forward and
+    backward in HPU graphs (training). Here the call is recorded ("ModuleCacher") and the module runs as it is: the
+    capture of a training step is not modelled."""
+
+    def __init__(self, max_graphs=10):
+        self.max_graphs = max_graphs
+
+    def __call__(self, model, inplace=True, allow_unused_input=False, have_grad_accumulation=False):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"ModuleCacher expects a torch.nn.Module, got {type(model).__name__}")
+        record("ModuleCacher", model, inplace=inplace)
+        return model
