@@ -298,3 +298,38 @@ def test_simulate_dyn_prompt_end_to_end(capsys, folder, tokenizer, hf, tmp_path)
 def test_simulate_dyn_prompt_bad_lengths(capsys, folder):
     rc, out, err = run_main(capsys, "--model_name_or_path", folder, *FAST, "--simulate_dyn_prompt", "0")
     assert "--simulate_dyn_prompt" in one_error(rc, err)
+
+
+# -- --help, warnings and what stays refused -----------------------------------------------------------------------
+
+
+def test_help_lists_the_implemented_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--dataset_name", "--column_name", "--dataset_max_samples", "--run_partial_dataset", "--peft_model",
+                 "--bad_words", "--simulate_dyn_prompt", "--regional_compile", "--force_static_compile",
+                 "--bucket_internal", "--reduce_recompile"):  # fmt: skip
+        assert flag in out, flag
+    for flag in ("--force_words", "--load_quantized_model_with_inc", "--mlcommons_dataset"):
+        assert flag not in out, flag  # refused: parsed, not offered
+
+
+def test_compile_companions_without_torch_compile_warn(capsys, folder):
+    rc, out, err = run_main(capsys, "--model_name_or_path", folder, *FAST, "--regional_compile")
+    assert rc == 0, err
+    assert "--regional_compile without --torch_compile: changes nothing" in err
+
+
+@pytest.mark.parametrize(
+    "flag, needle",
+    [
+        (("--load_quantized_model_with_inc",), "builds a transformers model"),
+        (("--save_quantized_model_with_inc",), "fused qkv/gate_up"),
+        (("--local_quantized_inc_model_path", "x"), "format='default'"),
+    ],
+    ids=["load-inc", "save-inc", "local-inc"],
+)
+def test_inc_checkpoints_stay_refused_with_the_reason(capsys, folder, flag, needle):
+    rc, out, err = run_main(capsys, "--model_name_or_path", folder, *FAST, *flag)
+    assert needle in one_error(rc, err)

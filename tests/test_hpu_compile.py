@@ -46,7 +46,7 @@ def _norms(graph) -> int:
 
 
 def _decode_buckets(bucket_size: int, max_len: int) -> set:
-    n = IDS.shape[1]
+    n = bucketed(IDS.shape[1], bucket_size, max_len)  # on Gaudi the prompt is left-padded to a whole bucket
     return {bucketed(n + i + 1, bucket_size, max_len) for i in range(NEW - 1)}
 
 

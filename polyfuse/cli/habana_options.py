@@ -104,9 +104,22 @@ HABANA_FLAGS = {
     "--book_source": ("refused", "downloads books from the network; give --prompt"),
     "--const_serialization_path": ("refused", "const serialization is Habana-specific and not supported"),
     "--input_embeds": ("refused", "generation from input embeddings is not supported"),
-    "--save_quantized_model_with_inc": ("refused", "saving an INC checkpoint is not supported yet"),
-    "--load_quantized_model_with_inc": ("refused", "loading an INC checkpoint is not supported yet"),
-    "--local_quantized_inc_model_path": ("refused", "loading an INC checkpoint is not supported yet"),
+    "--save_quantized_model_with_inc": (
+        "refused",
+        "INC's save() writes transformers' per-projection modules and "
+        "scales; polyfuse's fused qkv/gate_up projections have one each, so INC's "
+        "load() could not read the file",
+    ),
+    "--load_quantized_model_with_inc": (
+        "refused",
+        "INC's load() builds a transformers model from its fp8 "
+        "checkpoint, not a polyfuse one; polyfuse does not read that format",
+    ),
+    "--local_quantized_inc_model_path": (
+        "refused",
+        "INC's load(format='default', original_model=...) returns a "
+        "transformers model (weight-only checkpoints); not supported",
+    ),
     "--pt2e_save": ("refused", "PT2E quantization is not supported"),
     "--pt2e_path": ("refused", "PT2E quantization is not supported"),
     "--load_quantized_model_with_autoawq": ("refused", "AWQ checkpoints are not supported"),
