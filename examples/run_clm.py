@@ -108,7 +108,7 @@ def build_dataset(tokenizer, run, config) -> tuple:
         if split not in blocks:
             raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} requires a {split} split")
         ds = first(blocks[split], limit, data.streaming)
-        if not data.streaming and len(ds) == 0:
+        if len(ds) == 0 if not data.streaming else next(iter(ds), None) is None:
             raise ValueError(f"the {split} split has fewer tokens than one --block_size ({block}) block")
         out.append(ds)
     return tuple(out)
