@@ -14,10 +14,12 @@ STAMP := $(VENV)/.installed
 # CPU suite there (lint is `make test`'s). numpy<2.4: triton 3.3.1's interpreter, which runs the CPU tests' Triton
 # kernels, breaks on numpy 2.4. torch 2.7.1 brings triton 3.3.1 on Linux. setuptools>=77 (PEP 639 license strings):
 # tests/test_plugins.py builds the out-of-tree example backend without build isolation. peft 0.17.1: the LoRA tests
-# (the release current with transformers 4.55; tests/test_lora.py passes with it there).
+# (the release current with transformers 4.55; tests/test_lora.py passes with it there). datasets: the data sets of
+# examples/run_clm.py and run_lora_clm.py (pip picks a release whose huggingface_hub transformers 4.55 takes).
 COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_PINS := torch==2.7.1 transformers==4.55.4 accelerate==1.10.1 peft==0.17.1 "numpy<2.4" safetensors gguf pytest \
+	"datasets>=3.0" \
 	pytest-xdist "setuptools>=77" \
 	fastapi uvicorn prometheus_client openai httpx
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
