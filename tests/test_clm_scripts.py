@@ -337,3 +337,45 @@ def test_bad_data_is_one_error_line(scripts, local, needs_datasets, tmp_path, ca
     errors = [x for x in err.splitlines() if "error" in x.lower()]
     assert rc == 2 and len(errors) == 1 and needle in errors[0], err[-2000:]
     assert "Traceback" not in err
+
+
+def test_readme_generation_line_stops_in_one_line_naming_peft_model():
+    """The README's run_generation.py line (a prompt-tuned PEFT model) through polyfuse's run_generation flags: it
+    parses, and --peft_model is refused in one line (PEFT adapters at generation are not supported yet)."""
+    from polyfuse.cli.args import build_parser
+    from polyfuse.cli.habana_options import apply_habana_options
+
+    (line,) = [x for x in README["other_scripts"] if x["script"] == "run_generation.py"]
+    args = build_parser().parse_args(line["args"])
+    with pytest.raises(ValueError) as e:
+        apply_habana_options(args)
+    assert str(e.value).startswith("--peft_model") and "\n" not in str(e.value)
+
+
+PEFT_RUNS = [("lora", "polyfuse"), ("ia3", "polyfuse"), ("vera", "polyfuse"), ("adalora", "transformers"),
+             ("ia3", "transformers"), ("vera", "transformers"), ("llama-adapter", "transformers"),
+             ("ln_tuning", "transformers")]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft_type, impl", PEFT_RUNS, ids=[f"{p}-{i}" for p, i in PEFT_RUNS])
+def test_run_lora_clm_peft_types(scripts, local, needs_datasets, tmp_path, capsys, peft_type, impl):
+    """Each --peft_type trains a few steps on the tiny Llama and saves PEFT's adapter with that type."""
+    extra = {"adalora": ["--adalora_tinit", "1", "--adalora_tfinal", "1", "--adalora_delta_t", "1"],
+             "llama-adapter": ["--adapter_layers", "2", "--adapter_len", "4"]}.get(peft_type, [])  # fmt: skip
+    rc, out, err = run_clm_main(scripts["run_lora_clm.py"], capsys, "--model_name_or_path", local["tiny_model"],
+                                "--dataset_name", local["alpaca"], "--output_dir", tmp_path / "out", "--max_steps", "4",
+                                "--per_device_train_batch_size", "2", "--max_seq_length", "48", "--report_to", "none",
+                                "--use_cpu", "--cache_dir", local["cache"], "--peft_type", peft_type, "--model_impl",
+                                impl, "--dataset_concatenation", *extra)  # fmt: skip
+    assert rc == 0, err[-3000:]
+    saved = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert saved["peft_type"] == {"llama-adapter": "ADAPTION_PROMPT"}.get(peft_type, peft_type.upper())
+    assert json.loads((tmp_path / "out" / "train_results.json").read_text())["train_loss"] > 0
+
+
+def test_peft_types_polyfuses_llama_cannot_take_are_one_line(scripts, tmp_path, capsys):
+    rc, out, err = run_clm_main(scripts["run_lora_clm.py"], capsys, "--output_dir", tmp_path / "out",
+                                "--peft_type", "adalora", "--model_impl", "polyfuse")  # fmt: skip
+    errors = [x for x in err.splitlines() if "error" in x.lower()]
+    assert rc == 2 and len(errors) == 1 and "--model_impl transformers" in errors[0], err
