@@ -35,6 +35,7 @@ try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 13
     import torch
     from transformers import DataCollatorForLanguageModeling
 
+    import polyfuse
     from polyfuse.distributed.launch import distributed_entry
     from polyfuse.training import GaudiConfig, PolyfuseTrainer
     from polyfuse.training import clm_script as common
@@ -177,8 +178,8 @@ def train(run) -> int:
         if interrupted:
             return 130
         info = {"peft_type": run.finetune.peft_type, "lora_rank": run.finetune.lora_rank}
-        common.save_train(trainer, targs, tokenizer, metrics,
-                          common.run_info(run.model, targs, checkpoint_of(run.model), info), save=data.save_last_ckpt)  # fmt: skip
+        info = common.run_info(run.model, targs, checkpoint_of(run.model), info, polyfuse.__version__)
+        common.save_train(trainer, targs, tokenizer, metrics, info, save=data.save_last_ckpt)
     if targs.do_eval:
         common.evaluate(trainer, len(eval_ds))
     if trainer.is_world_process_zero() and run.training and data.save_last_ckpt:
