@@ -53,6 +53,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 130 without a traceback
     from transformers import default_data_collator
 
+    import polyfuse
     from polyfuse.distributed.launch import distributed_entry
     from polyfuse.training import PolyfuseTrainer
     from polyfuse.training import clm_script as common
@@ -108,7 +109,7 @@ def build_dataset(tokenizer, run, config) -> tuple:
         if split not in blocks:
             raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} requires a {split} split")
         ds = first(blocks[split], limit, data.streaming)
-        if not data.streaming and len(ds) == 0:
+        if len(ds) == 0 if not data.streaming else next(iter(ds), None) is None:
             raise ValueError(f"the {split} split has fewer tokens than one --block_size ({block}) block")
         out.append(ds)
     return tuple(out)
@@ -167,8 +168,8 @@ def train(run) -> int:
         streamed = targs.max_steps * targs.per_device_train_batch_size
         metrics["train_samples"] = streamed if data.streaming else len(train_ds)
         info = {"lora_rank": run.lora.lora_rank, "torch_dtype": run.model.torch_dtype}
-        common.save_train(trainer, targs, tokenizer, metrics, common.run_info(run.model, targs, source, info),
-                          save=data.save_last_ckpt)  # fmt: skip
+        info = common.run_info(run.model, targs, source, info, polyfuse.__version__)
+        common.save_train(trainer, targs, tokenizer, metrics, info, save=data.save_last_ckpt)
     if targs.do_eval:
         streamed = targs.max_steps * targs.per_device_eval_batch_size  # what optimum-habana's script reports
         common.evaluate(trainer, streamed if data.streaming else len(eval_ds))

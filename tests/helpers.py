@@ -273,14 +273,14 @@ def fake_cuda_graphs(monkeypatch):
 # -- examples/run_clm.py in process (tests/test_saving.py, tests/test_lora.py) ----------------------------------------
 
 
-def load_run_clm(name: str):
-    """examples/run_clm.py imported as module ``name`` (registered in sys.modules: its dataclasses look their module
-    up); the caller pops it when done."""
+def load_run_clm(name: str, script: str = "run_clm.py"):
+    """examples/run_clm.py (or another example ``script``) imported as module ``name`` (registered in sys.modules:
+    its dataclasses look their module up); the caller pops it when done."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "run_clm.py"
+    path = Path(__file__).resolve().parents[1] / "examples" / script
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -59,6 +59,10 @@ def _forget_habana():
         cached = getattr(import_utils, name, None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+    # accelerate caches it too (arguments made with the double set up an hpu PartialState)
+    from accelerate.utils import imports as accelerate_imports
+
+    accelerate_imports.is_hpu_available.cache_clear()
 
 
 def _import_double(monkeypatch, lazy):

@@ -45,8 +45,24 @@ def cpu_fsdp_unsupported() -> Optional[str]:
     )
 
 
+_HAS_WARMUP_RATIO = "warmup_ratio" in TrainingArguments.__dataclass_fields__
+
+
 @dataclass
-class PolyfuseTrainingArguments(GaudiTrainingFields, TrainingArguments):
+class _WarmupRatio:
+    """transformers 5 dropped warmup_ratio (its warmup_steps takes a fraction below 1 instead); 4.x's spelling, which
+    optimum-habana's README lines use, is kept and handed to warmup_steps."""
+
+    warmup_ratio: Optional[float] = field(
+        default=None, metadata={"help": "Linear warm-up over this fraction of the steps (sets --warmup_steps)."}
+    )
+
+
+_COMPAT = () if _HAS_WARMUP_RATIO else (_WarmupRatio,)
+
+
+@dataclass
+class PolyfuseTrainingArguments(GaudiTrainingFields, *_COMPAT, TrainingArguments):
     """transformers' TrainingArguments, optimum-habana's GaudiTrainingArguments fields (gaudi_arguments.py) and
     polyfuse's fused-op flags."""
 
@@ -69,8 +85,15 @@ class PolyfuseTrainingArguments(GaudiTrainingFields, TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.use_habana and not hpu_available():  # first: on a machine without a Gaudi, the one thing to say
+            raise ValueError("--use_habana needs an Intel Gaudi and habana_frameworks; neither HPU nor package found")
         gaudi_arguments.habana_defaults(self)
         gaudi_arguments.check_fields(self)
+        if not _HAS_WARMUP_RATIO and self.warmup_ratio is not None:
+            if not 0 <= self.warmup_ratio < 1:
+                raise ValueError(f"--warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+            if self.warmup_steps == 0:  # an explicit --warmup_steps wins, as in transformers 4.x
+                self.warmup_steps = self.warmup_ratio
         self._validate_polyfuse()
         if not self.use_cpu and not self.use_habana and world_size_from_env() > 1 and default_device_type() == "cpu":
             # torchrun on a machine without an accelerator: without use_cpu accelerate sees no distributed setup and
@@ -123,8 +146,6 @@ class PolyfuseTrainingArguments(GaudiTrainingFields, TrainingArguments):
             raise ValueError("--use_lazy_mode can only be used with --use_habana (it is an HPU lazy-mode setting)")
         if self.gaudi_config_name and not self.use_habana:
             raise ValueError("--gaudi_config_name can only be used with --use_habana (it configures Gaudi training)")
-        if self.use_habana and not hpu_available():
-            raise ValueError("--use_habana needs an Intel Gaudi and habana_frameworks; neither HPU nor package found")
         if self.deepspeed:  # passed through to transformers' DeepSpeed integration, which needs the package
             import importlib.util
 

@@ -225,7 +225,8 @@ SCRIPT_FIELDS = {
     "lora_alpha": (IMPLEMENTED, "LoraConfig / AdaLoraConfig lora_alpha"),
     "lora_dropout": (IMPLEMENTED, "LoraConfig / AdaLoraConfig lora_dropout"),
     "lora_target_modules": (IMPLEMENTED, "a list (or comma list); None: PEFT's default for the model"),
-    "train_on_inputs": (IMPLEMENTED, "False: the prompt's tokens get label -100"),
+    "train_on_inputs": (WARNED, "the prompt's labels are masked, then the collator (DataCollatorForLanguageModeling, "
+                                "mlm=False) sets every label from input_ids again, in optimum-habana's script too"),
     "adalora_init_r": (IMPLEMENTED, "AdaLoraConfig(init_r=), --model_impl transformers"),
     "adalora_target_r": (IMPLEMENTED, "AdaLoraConfig(target_r=)"),
     "adalora_tinit": (IMPLEMENTED, "AdaLoraConfig(tinit=)"),
@@ -252,7 +253,7 @@ def lora_targets(modules) -> Optional[list]:
     return [m.strip() for item in modules for m in item.split(",") if m.strip()]
 
 
-def source_notes(model, data=None) -> list:
+def source_notes(model, data=None, finetune=None) -> list:
     """One line for each given value that changes nothing here (printed as warning: lines)."""
     notes = []
     if model.token:
@@ -261,6 +262,11 @@ def source_notes(model, data=None) -> list:
         notes.append("--trust_remote_code ignored: polyfuse runs its own model code, never code from a checkpoint")
     if getattr(model, "load_meta_device", False):
         notes.append("--load_meta_device changes nothing: the weights load on the host, then move to the device")
+    if finetune is not None and finetune.train_on_inputs is False:
+        notes.append(
+            "--train_on_inputs False changes nothing: the collator (DataCollatorForLanguageModeling, "
+            "mlm=False) sets the labels from input_ids, as in optimum-habana's run_lora_clm.py"
+        )
     if data is not None:
         for name, default in (("pad_to_max_length", False), ("dataset_seed", 42), ("dataset_cache_directory", None)):
             if getattr(data, name, default) != default:

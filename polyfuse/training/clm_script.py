@@ -137,10 +137,10 @@ def evaluate(trainer, eval_samples: int) -> dict:
     return metrics
 
 
-def run_info(model, targs, path_name: tuple, extra: dict) -> dict:
-    """What train_results.json says about the run besides its metrics: the model, device, flags and versions."""
+def run_info(model, targs, path_name: tuple, extra: dict, polyfuse_version: str) -> dict:
+    """What train_results.json says about the run besides its metrics: the model, device, flags and versions (the
+    script passes polyfuse's own: this layer does not import the package)."""
     import platform
-    from importlib.metadata import version
 
     import torch
     import transformers
@@ -149,6 +149,6 @@ def run_info(model, targs, path_name: tuple, extra: dict) -> dict:
     return {
         "model_name_or_path": name, "model_path": path, "gguf_file": gguf, "model_impl": model.model_impl, **extra,
         "device": str(targs.device), "polyfuse_flags": targs.polyfuse_flags(), "polyfuse_ops": targs.polyfuse_overrides(),
-        "versions": {"polyfuse": version("polyfuse"), "torch": torch.__version__,
+        "versions": {"polyfuse": polyfuse_version, "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }  # fmt: skip

@@ -17,6 +17,7 @@ GaudiTrainer does the same (gaudi_arguments.py has the table):
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 from transformers import TrainerCallback
@@ -139,7 +140,7 @@ class GaudiSteps:
             if n > 0 and not self.is_in_train and clock["steps"] == n:
                 clock["after"] = time.time()
             clock["steps"] += 1
-            ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+            ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
             clock["samples"] += 0 if ids is None else ids.shape[0]
         out = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self._hpu_lazy():
@@ -156,8 +157,10 @@ class GaudiSteps:
         n, excluded = args.throughput_warmup_steps, self.throughput.excluded_s if args.adjust_throughput else None
         if "train_runtime" in logs:
             runtime = logs["train_runtime"]
+            steps = self.state.global_step - self.throughput.first_step
+            if steps <= n:  # a run no longer than its warm-up keeps it in (optimum-habana's rule for evaluation)
+                n = 0
             if n or excluded is not None:
-                steps = self.state.global_step - self.throughput.first_step
                 samples = (self._num_train_samples or 0) * steps / max(self.state.max_steps, 1)
                 total = self.get_total_train_batch_size(args)
                 after = self.throughput.warmup_seconds()

@@ -1,7 +1,8 @@
 """Throughput metrics as optimum-habana's GaudiTrainer computes them (its ``speed_metrics``): with
 ``throughput_warmup_steps=N`` the first N steps are left out of the samples, the steps and the time, and with
 ``adjust_throughput`` the time spent logging, evaluating and saving is left out of the time too. ``*_runtime`` stays
-the whole wall time."""
+the whole wall time. A run with no more steps than the warm-up keeps them in (optimum-habana does so for evaluation;
+for training its numbers would turn negative)."""
 
 from __future__ import annotations
 

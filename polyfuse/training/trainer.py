@@ -7,6 +7,8 @@
   on Gaudi, Habana's FusedAdamW / FusedClipNorm when the gaudi config asks for them (``use_fused_adam``,
   ``use_fused_clip_norm``) and ``use_torch_autocast``/``--bf16`` as HPU autocast, like optimum-habana's GaudiTrainer;
 * HPU lazy mode: ``runtime.mark_step()`` after the backward and after the optimizer step;
+* optimum-habana's GaudiTrainingArguments fields (HPU graphs, throughput without the warm-up steps, profiling,
+  mark_step between forward and backward, ...) through ``GaudiSteps`` (gaudi_steps.py);
 * logs ``train_tokens_per_second`` and the device's memory stats (``runtime.memory_stats()``) with each loss log;
 * prints the kernels report once when training starts.
 """
@@ -18,6 +20,7 @@ import inspect
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -141,8 +144,8 @@ class PolyfuseTrainer(GaudiSteps, Trainer):
         return super().train(*args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
-        if ids is None and isinstance(inputs, dict):
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        if ids is None and isinstance(inputs, Mapping):
             ids = inputs.get("inputs_embeds")
             n = 0 if ids is None else ids.shape[0] * ids.shape[1]
         else:
