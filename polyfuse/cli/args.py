@@ -97,7 +97,7 @@ def _model_options(p) -> None:
     a("--model_name_or_path", default=None, metavar="PATH",
       help="a local folder (config.json + safetensors, or exactly one .gguf), a .gguf file, or a Hugging Face Hub id "
       "(org/name; read from the cache when offline) (default: the built-in SmolLM2-135M-Instruct)")  # fmt: skip
-    a("--gguf_file", default=None, metavar="FILE", help="the GGUF inside --model_name_or_path, when it holds several")
+    a("--gguf_file", default=None, metavar="FILE", help="the GGUF in --model_name_or_path if it holds several")
     a("--tokenizer", default=None, metavar="PATH", help="tokenizer folder, .gguf or Hub id (default: the model's)")
     a("--token", default=None, help="Hugging Face token, for downloading a Hub id")
     a("--trust_remote_code", action="store_true", help="accepted and ignored: polyfuse runs its own model code")
@@ -117,7 +117,7 @@ def _input_options(p) -> None:
     a("--prompt", nargs="*", default=None, metavar="TEXT",
       help="one or more prompts, run in groups of --batch_size (fewer are cycled to fill one batch) "
       "(default: 'DeepSpeed is a machine learning framework')")  # fmt: skip
-    a("--prompt_file", default=None, metavar="FILE", help="UTF-8 text file, one prompt per line (blank lines skipped)")
+    a("--prompt_file", default=None, metavar="FILE", help="UTF-8 text, a prompt per non-blank line")
     a("--chat_file", default=None, metavar="FILE",
       help='JSON conversation ([{"role": "user", "content": "..."}, ...]) or a list of them, each ending with the '
       "user's turn; implies --use_chat_template")  # fmt: skip
@@ -145,21 +145,21 @@ def _generation_options(p) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="sample from the k most likely tokens (with --do_sample; None: all)",
+        help="k most likely tokens (None: all)",
     )
     a(
         "--top_p",
         type=float,
         default=1.0,
         metavar="P",
-        help="nucleus sampling: the smallest set of this much probability",
+        help="nucleus sampling: smallest set of this probability",
     )
     a("--seed", type=int, default=27, metavar="N", help="random seed (sampling)")
     a("--ignore_eos", action=argparse.BooleanOptionalAction, default=True,
       help="keep generating past EOS (optimum-habana's default; --no-ignore_eos stops at it)")  # fmt: skip
     a("--num_beams", type=int, default=1, metavar="N", help="beam search with this many beams")
     a("--num_return_sequences", type=int, default=1, metavar="N",
-      help="sequences per prompt (with --do_sample, or <= --num_beams)")  # fmt: skip
+      help="per prompt (--do_sample, or <= --num_beams)")  # fmt: skip
     a("--repetition_penalty", type=float, default=1.0, metavar="X", help="transformers' repetition penalty (1.0: off)")
     a(
         "--stop_strings",

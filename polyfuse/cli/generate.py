@@ -301,7 +301,8 @@ def load(args, device, flags):
         tokenizer = load_cli_tokenizer(args, path, gguf)
         windows = calibration_windows(calibration, tokenizer)
     # GPTQ starts from the float model; a PEFT adapter merges into float weights (a GGUF's are dequantized)
-    quant = "none" if calibration or args.peft_model else getattr(args, "quant", None)
+    peft = getattr(args, "peft_model", None)  # serve's parser has no adapter flag
+    quant = "none" if calibration or peft else getattr(args, "quant", None)
     steps = tune_steps(args) if calibration else None
     tune = steps is not None  # the head is packed after it
     what = tuple(getattr(args, f, None) is not None for f in ("quant_tune_norms", "quant_tune_scales"))
@@ -311,7 +312,7 @@ def load(args, device, flags):
             path, gguf_file=gguf, dtype=dtype, device=device, flags=flags, overrides=args.ops, quant=quant,
             quant_lm_head=bool(gguf and getattr(args, "quant_lm_head", False) and not tune), **progress,
         )  # fmt: skip
-    if args.peft_model:
+    if peft:
         from polyfuse.cli.peft_adapter import merge_adapter
 
         model = merge_adapter(model, args.peft_model)

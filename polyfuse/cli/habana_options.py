@@ -128,25 +128,47 @@ HABANA_FLAGS = {
 }
 
 
+# One line each in --help (the table's longer reasons are for docs/hpu.md).
+SHORT_HELP = {
+    "--bucket_internal": "decode attends its KV bucket (polyfuse always does)",
+    "--reduce_recompile": "prompts stay on the host: only bucket shapes reach the device",
+    "--regional_compile": "--torch_compile per decoder layer, not the whole decoder",
+    "--force_static_compile": "--torch_compile with dynamic=False",
+    "--run_partial_dataset": "with --dataset_name: stop after --n_iterations batches",
+    "--dataset_max_samples": "with --dataset_name: at most N rows (-1: all)",
+    "--dataset_name": "prompts from a data set (folder, file or Hub id)",
+    "--column_name": "with --dataset_name: the prompts' column",
+    "--peft_model": "a PEFT adapter merged into the weights first",
+    "--bad_words": "words never generated",
+    "--simulate_dyn_prompt": "prompt lengths to warm up on and cycle through",
+}
+METAVARS = {"--dataset_name": "NAME", "--column_name": "NAME", "--peft_model": "PATH", "--bad_words": "WORD",
+            "--simulate_dyn_prompt": "N"}  # fmt: skip
+
+
 def add_habana_options(p: argparse.ArgumentParser) -> None:
     """optimum-habana's flags polyfuse's own groups do not define, with its spelling, types and defaults."""
-    g = p.add_argument_group("more optimum-habana run_generation.py flags", "the ones below, and those it warns about "
-                             "or refuses (not listed here; docs/hpu.md's table has every flag)")  # fmt: skip
+    g = p.add_argument_group("more optimum-habana run_generation.py flags (docs/hpu.md: every flag, with its status)")
     raw = g.add_argument
 
     def a(*names, **kw):  # warned and refused flags parse but stay out of --help
         if HABANA_FLAGS.get(names[0], ("implemented",))[0] != "implemented":
             kw["help"] = argparse.SUPPRESS
+        elif names[0] in SHORT_HELP:
+            kw["help"] = SHORT_HELP[names[0]]
+        if names[0] in METAVARS:
+            kw["metavar"] = METAVARS[names[0]]
         return raw(*names, **kw)
 
-    a("--local_rank", type=int, default=0, metavar="N", help="accepted from launchers (the rank is the environment's)")
-    a("--model_revision", default="main", help="Hub revision (main only)")
-    a("--parallel_strategy", choices=["tp", "ep", "none"], default="none", help="tp: tensor parallel (polyfuse's)")
+    a("--local_rank", type=int, default=0, metavar="N", help="from launchers (ignored)")
+    a("--model_revision", default="main", metavar="REV", help="Hub revision (main only)")
+    a("--parallel_strategy", choices=["tp", "ep", "none"], default="none", metavar="S",
+      help="tp (tensor parallel), ep or none")  # fmt: skip
     a("--sdp_on_bf16", action="store_true", help="reduced precision in torch's SDPA math backend")
     a("--cache_size_limit", type=int, default=None, metavar="N", help="torch._dynamo's cache size limit")
     a("--dynamo_specialize_float", action="store_true", help="torch._dynamo.config.specialize_float = True")
     a("--dynamo_allow_unspec_int_on_nn_module", action="store_true", default=True,
-      help="torch._dynamo.config.allow_unspec_int_on_nn_module = True (default: True)")  # fmt: skip
+      help="dynamo's allow_unspec_int_on_nn_module (default: True)")  # fmt: skip
     a("--attn_implementation", default="eager", choices=ATTN_IMPLEMENTATIONS, metavar="NAME",
       help="eager (the default; --use_flash_attention picks the fused kernels)")  # fmt: skip
     for flag in ("--bucket_internal", "--reduce_recompile", "--clear_hpu_graphs_cache", "--show_graphs_count",
