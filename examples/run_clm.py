@@ -58,7 +58,7 @@ try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 13
     from polyfuse.training import PolyfuseTrainer
     from polyfuse.training import clm_script as common
     from polyfuse.training.clm_args import DataTrainingArguments, LoraArguments, ModelArguments, source_notes
-    from polyfuse.training.clm_data import first, load_raw
+    from polyfuse.training.clm_data import load_raw, train_and_eval
     from polyfuse.training.clm_model import check_source, checkpoint_of, load_model_and_tokenizer, resize_embeddings
     from polyfuse.training.clm_tokens import block_size_for, clm_blocks
     from polyfuse.training.fsdp import agree_ranks
@@ -100,19 +100,7 @@ def build_dataset(tokenizer, run, config) -> tuple:
     raw = load_raw(data, run.model.cache_dir, True, data.streaming, DEFAULT_DATA)
     block = block_size_for(data.block_size, tokenizer, config)
     blocks = clm_blocks(raw, tokenizer, block, data, targs, run.training)
-    out = []
-    for split, on, limit in (("train", run.training, data.max_train_samples),
-                             ("validation", targs.do_eval, data.max_eval_samples)):  # fmt: skip
-        if not on:
-            out.append(None)
-            continue
-        if split not in blocks:
-            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} requires a {split} split")
-        ds = first(blocks[split], limit, data.streaming)
-        if len(ds) == 0 if not data.streaming else next(iter(ds), None) is None:
-            raise ValueError(f"the {split} split has fewer tokens than one --block_size ({block}) block")
-        out.append(ds)
-    return tuple(out)
+    return train_and_eval(blocks, run, f"has fewer tokens than one --block_size ({block}) block", data.streaming)
 
 
 @distributed_entry(tensor_parallel=False)  # under torchrun: rank 0 speaks, every rank exits promptly on an error

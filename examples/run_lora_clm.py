@@ -40,7 +40,7 @@ try:  # torch and transformers take seconds to import: Ctrl-C meanwhile exits 13
     from polyfuse.training import GaudiConfig, PolyfuseTrainer
     from polyfuse.training import clm_script as common
     from polyfuse.training.clm_args import DataArguments, FinetuneArguments, LoraModelArguments, source_notes
-    from polyfuse.training.clm_data import first, load_raw
+    from polyfuse.training.clm_data import load_raw, train_and_eval
     from polyfuse.training.clm_model import check_source, checkpoint_of, load_model_and_tokenizer
     from polyfuse.training.fsdp import agree_ranks
     from polyfuse.training.lora_tokens import lora_examples
@@ -81,20 +81,9 @@ def build_dataset(tokenizer, run) -> tuple:
     raw = load_raw(data, run.model.cache_dir, targs.do_eval, default_file=DEFAULT_DATA,
                    keep_in_memory=data.keep_in_memory)  # fmt: skip
     examples = lora_examples(raw, tokenizer, data, run.finetune, targs, run.training, targs.do_eval)
-    out = []
-    for split, on, limit in (("train", run.training, data.max_train_samples),
-                             ("validation", targs.do_eval, data.max_eval_samples)):  # fmt: skip
-        if not on:
-            out.append(None)
-            continue
-        if split not in examples:
-            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} requires a {split} split")
-        ds = first(examples[split], limit)
-        if len(ds) == 0:
-            raise ValueError(f"the {split} split has no example (with --dataset_concatenation: fewer tokens than one "
-                             f"--max_seq_length {data.max_seq_length} block)")  # fmt: skip
-        out.append(ds)
-    return tuple(out)
+    why = (f"has no example (with --dataset_concatenation: fewer tokens than one --max_seq_length "
+           f"{data.max_seq_length} block)")  # fmt: skip
+    return train_and_eval(examples, run, why)
 
 
 def _align_tokenizer(model, tokenizer) -> None:

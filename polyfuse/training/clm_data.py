@@ -131,3 +131,22 @@ def first(ds, n: Optional[int], streaming: bool = False):
     if streaming:
         return ds.take(n)
     return ds.select(range(min(n, len(ds))))
+
+
+def train_and_eval(splits: dict, run, empty: str, streaming: bool = False) -> tuple:
+    """(train or None, validation or None) from ``splits``, as --do_train / --do_eval and --max_*_samples ask;
+    a split asked for but missing or empty is one ValueError (``empty`` says why an empty split is)."""
+    data, targs = run.data, run.targs
+    out = []
+    for split, on, limit in (("train", run.training, data.max_train_samples),
+                             ("validation", targs.do_eval, data.max_eval_samples)):  # fmt: skip
+        if not on:
+            out.append(None)
+            continue
+        if split not in splits:
+            raise ValueError(f"--do_{'train' if split == 'train' else 'eval'} requires a {split} split")
+        ds = first(splits[split], limit, streaming)
+        if len(ds) == 0 if not streaming else next(iter(ds), None) is None:
+            raise ValueError(f"the {split} split {empty}")
+        out.append(ds)
+    return tuple(out)
