@@ -408,3 +408,26 @@ def decode_llama(seed: int = 5):
         num_key_value_heads=2, max_position_embeddings=100, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM.from_config(cfg, seed=seed).eval()
+
+
+def start_server(engine, name: str, args):
+    """Serve ``engine`` on its ephemeral 127.0.0.1 socket in a daemon thread; returns (url, server, thread, aengine)."""
+    import threading
+    import time
+
+    from polyfuse.serving.server import make_server
+
+    server, sock, aengine = make_server(engine, name, args)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    host, port = sock.getsockname()[:2]
+    return f"http://{host}:{port}", server, thread, aengine
+
+
+def stop_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(30)

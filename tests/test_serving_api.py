@@ -13,17 +13,16 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-from helpers import one_thread  # noqa: F401  (one_thread: autouse fixture)
+from helpers import one_thread, start_server, stop_server  # noqa: F401  (one_thread: autouse fixture)
 
 from polyfuse.serving.cli import build_parser
-from polyfuse.serving.server import build, make_server
+from polyfuse.serving.server import build
 
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -56,18 +55,9 @@ def served():
         ]  # fmt: skip
     )
     engine, name, _ = build(args)
-    server, sock, aengine = make_server(engine, name, args)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    host, port = sock.getsockname()[:2]
-    yield {"url": f"http://{host}:{port}", "engine": engine, "aengine": aengine,
-           "state": server.config.app.state.serving}  # fmt: skip
-    server.should_exit = True
-    thread.join(30)
+    url, server, thread, aengine = start_server(engine, name, args)
+    yield {"url": url, "engine": engine, "aengine": aengine, "state": server.config.app.state.serving}
+    stop_server(server, thread)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,12 @@
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import one_thread, tiny_config  # noqa: F401  (one_thread: autouse fixture)
+from helpers import one_thread, start_server, stop_server, tiny_config  # noqa: F401  (one_thread: autouse fixture)
 from speculative_cases import tiny
 from test_serving_engine import CharTokenizer, run
 from test_speculative import SMALL, accept_all, chi_square_p
@@ -284,7 +283,7 @@ REQUESTS = [
 def servers():
     """Two servers on 127.0.0.1 (ephemeral ports) over one model: with prompt lookup (k=4) and without."""
     from polyfuse.serving.cli import build_parser
-    from polyfuse.serving.server import build, make_server
+    from polyfuse.serving.server import build
 
     flags = ["--port", "0", "--max_model_len", "512", "--num_kv_blocks", "300", "--max_num_seqs", "8",
              "--max_num_batched_tokens", "256"]  # fmt: skip
@@ -294,20 +293,12 @@ def servers():
                           dataclasses.replace(spec_engine.config, speculative=None))  # fmt: skip
     out, running = {}, []
     for key, eng in (("spec", spec_engine), ("plain", plain_engine)):
-        server, sock, _ = make_server(eng, name, args)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started
-        host, port = sock.getsockname()[:2]
-        out[key] = {"url": f"http://{host}:{port}", "engine": eng}
+        url, server, thread, _ = start_server(eng, name, args)
+        out[key] = {"url": url, "engine": eng}
         running.append((server, thread))
     yield name, out
     for server, thread in running:
-        server.should_exit = True
-        thread.join(30)
+        stop_server(server, thread)
 
 
 def ask(client, name, req: dict) -> dict:
