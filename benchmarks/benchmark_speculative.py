@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import sys
 
@@ -92,19 +93,32 @@ def part_verify(args, target, out) -> None:
                      cost=round(ms / decode, 3)), out)  # fmt: skip
 
 
+class CaptureFailures(logging.Handler):
+    """Counts the runtime's "CUDA graph capture failed" warnings: a replay that fell back to eager steps says so."""
+
+    count = 0
+
+    def emit(self, record) -> None:
+        self.count += "capture failed" in record.getMessage()
+
+
 def replay(args, target, method: str, spec: dict, k: int, tau: float, plain: dict, ids, out) -> None:
     real = generation.speculative_decode
     generation.speculative_decode = lambda d, p: real(d, p, ForcedAcceptance(schedule(tau, k)))
+    failed = CaptureFailures()
+    logging.getLogger("polyfuse").addHandler(failed)
     try:
         got = timed_generate(target, ids, args.reps, **spec, **generate_kw(args))
     finally:
         generation.speculative_decode = real
+        logging.getLogger("polyfuse").removeHandler(failed)
     stats = got["stats"]
     log(dict(what="spec_replay", shape=args.shape, dtype=args.dtype, method=method, k=k, forced_tau=tau,
              draft_shape=args.draft_shape if method == "draft" else None, prompt_len=ids.shape[1],
              new_tokens=args.new_tokens, tokens_per_step=round(stats.tokens_per_step, 3),
              ms_per_token=round(got["ms_per_token"], 4), plain_ms_per_token=round(plain["ms_per_token"], 4),
-             speedup=round(plain["ms_per_token"] / got["ms_per_token"], 3)), out)  # fmt: skip
+             speedup=round(plain["ms_per_token"] / got["ms_per_token"], 3),
+             **({"graphs": "failed"} if failed.count else {})), out)  # fmt: skip
 
 
 def generate_kw(args) -> dict:

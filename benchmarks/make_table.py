@@ -420,7 +420,7 @@ def speculative_table(rows) -> list[str]:
     out = ["Verify step (k drafted tokens + the pending one in one forward) against one decode step:", ""]
     out += table(["model", "dtype", "k", "KV length", "EAGLE hidden states", "decode ms", "verify ms",
                   "verify / decode", "device", "date"], lines) if lines else [NOT_YET, ""]  # fmt: skip
-    replay = latest([r for r in rows if r["what"] == "spec_replay"],
+    replay = latest([r for r in rows if r["what"] == "spec_replay" and r.get("graphs") != "failed"],
                     lambda r: (gpu(r), r["shape"], r["dtype"], r["method"], r.get("draft_shape"), r["k"],
                                r["forced_tau"]))  # fmt: skip
     lines = [[SHAPE_NAMES.get(r["shape"], r["shape"]), r["dtype"],

@@ -3,10 +3,11 @@ model.step + argmax (EOS rows padded, generation stopping where the last row fin
 around it, with torch.cuda's graph API faked on the CPU (a capture records the step, a replay runs it)."""
 
 import contextlib
+import gc
 
 import pytest
 import torch
-from helpers import Recorded, decode_llama, fake_cuda_graphs
+from helpers import FakeGraph, Recorded, decode_llama, fake_cuda_graphs
 
 from polyfuse.backends.cuda.graphs import GraphedStep
 from polyfuse.core.runtime import Step
@@ -193,3 +194,27 @@ def test_graphed_token_step_capture_failure_runs_eagerly(model, fake_cuda, monke
     assert int(TokenState.of(model.cache).cache_position) == 7 + 16 - 1  # the warm-ups were undone before the fallback
     assert made[0].disabled_reason.startswith("RuntimeError") and not made[0].graphs
     assert sum("capture failed" in r.message for r in caplog.records) == 1
+
+
+def test_no_garbage_collection_inside_a_capture(fake_cuda, monkeypatch):
+    # A collected cycle that holds an old CUDA graph resets it mid-capture and breaks the new capture.
+    seen = []
+
+    def step(kv_len, x):
+        seen.append((FakeGraph.capturing is not None, gc.isenabled()))
+        return x * 2
+
+    graphed = GraphedStep(step)
+    x = torch.ones(3)
+    assert torch.equal(graphed(4, x), x * 2)
+    assert seen == [(False, True), (False, True), (True, False)]  # two warm-ups, then the capture
+    assert gc.isenabled() and graphed.disabled_reason is None
+
+    @contextlib.contextmanager
+    def broken(graph, pool=None):
+        raise RuntimeError("capture not supported here")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    assert torch.equal(GraphedStep(step)(4, x), x * 2)
+    assert gc.isenabled()  # restored after a failed capture too

@@ -11,6 +11,7 @@ If capture fails the step runs eagerly from then on, after one warning.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -97,8 +98,16 @@ class GraphedStep:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            static_out = self.fn(kv_len, *static_in)
+        # A cycle holding an old graph (a dropped proposer's steps) freed mid-capture resets it there and breaks the
+        # capture; torch.cuda.graph no longer collects first by default, so no collection may run inside it.
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                static_out = self.fn(kv_len, *static_in)
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - t0
         return static_in, static_out, graph
