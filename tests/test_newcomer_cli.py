@@ -149,7 +149,10 @@ def test_sigint_writes_what_finished_and_exits_130(tiny, tmp_path):
                PYTHONPATH=str(ROOT))  # fmt: skip
     cmd = [sys.executable, str(ROOT / "examples" / "run_generation.py"), "--model_name_or_path", tiny, *FAST,
            "--n_iterations", "100000", "--output_dir", str(out_dir)]  # fmt: skip
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A suite started in the background (`make test-slow &`) inherits an ignored SIGINT, and so would the child:
+    # give it the default disposition, as a terminal's Ctrl-C finds it.
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline = time.monotonic() + 240
         for line in p.stdout:
